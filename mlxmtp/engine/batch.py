@@ -1,0 +1,466 @@
+"""Continuous batching with MTP speculative decoding.
+
+Every `step()`:
+  1. takes new requests and cancellations from a thread-safe inbox;
+  2. advances one prefill chunk of the oldest waiting request (alone, B=1: long prompts
+     never stall the others for more than a chunk), merging it into the batch when done;
+  3. runs one decode cycle for all active rows together: the head chains k drafts per
+     row, the main model verifies every row's k+1 tokens in ONE forward, and each row
+     keeps its own number of drafts (ragged acceptance). Attention caches trim per row
+     in O(1); Gated DeltaNet state is selected per row from the states recorded during
+     the verify; no second forward.
+
+One host synchronisation per cycle: drafts, verify and acceptance are built lazily and
+evaluated together. B=1 is simply a batch of one (that is how `generate` runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from ..models import gdn_capture
+from . import mlx_lm_adapter as adapter
+from .adaptive import DepthPolicy
+from .prefix_cache import PrefixCache
+from .proposer import draft, head_pass
+from .rejection_sampler import accept_greedy, accept_sampled, sample
+from .request import Event, Request, RequestStats
+from .sampling import RowSampler
+
+log = logging.getLogger("mlxmtp")
+
+ABSORB_AFTER = 64  # pending head inputs a row may accumulate while k = 0 before the head catches up
+
+
+@dataclass
+class Row:
+    req: Request
+    sampler: RowSampler
+    stop_ids: set
+    tokens: List[int]  # prompt + generated: the processors' context
+    stats: RequestStats
+    detok: object
+    y: int = -1  # last emitted token, not yet fed to the main model
+    generated: int = 0
+    text: str = ""
+    sent: int = 0  # characters of text already emitted
+    pend_h: Optional[mx.array] = None  # [n, H] pending head inputs
+    pend_t: List[int] = field(default_factory=list)
+    # prefill-only state (B=1) until the row joins the batch
+    cache: Optional[list] = None
+    head_cache: Optional[list] = None
+    done_prompt: int = 0
+    t0: float = 0.0
+    last_logits: Optional[mx.array] = None
+    first_lp: float = 0.0
+
+
+class BatchGenerator:
+    def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
+                 max_depth: int = 4, max_batch: int = 16, prefill_step: int = 512,
+                 prefix_cache_bytes: int = 0, acceptance_rule: str = "exact"):
+        self.model = model
+        self.tokenizer = tokenizer
+        att = getattr(model, "mtp", None)
+        if att is None:
+            from ..models.family import text_parts
+
+            self.parts, self.head, self.hidden_state = text_parts(model), None, "post_norm"
+        else:
+            self.parts, self.head, self.hidden_state = att.parts, att.head, att.hidden_state
+        if not enable_mtp:
+            self.head = None
+        adapter.prepare_model(model)
+        self.vocab_size = self.parts.args.vocab_size
+        self.policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)
+        self.max_batch = max_batch
+        self.prefill_step = prefill_step
+        self.acceptance_rule = acceptance_rule
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.rows: List[Row] = []  # active, in batch order
+        self.cache: Optional[list] = None
+        self.head_cache: Optional[list] = None
+        self.waiting: deque = deque()  # Rows not yet prefilled
+        self._inbox: deque = deque()
+        self._cancel: set = set()
+        self._lock = threading.Lock()
+        self.cycles = 0
+        self.last_depth = 0
+
+    # ---------------------------------------------------------------- public, thread-safe
+    def submit(self, req: Request) -> int:
+        req.validate(self.vocab_size)
+        with self._lock:
+            self._inbox.append(req)
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancel.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rows or self.waiting or self._inbox)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> List[Event]:
+        events: List[Event] = []
+        self._take_inbox(events)
+        if self.waiting and len(self.rows) < self.max_batch:
+            self._prefill_chunk(self.waiting[0], events)
+        if self.rows:
+            self._decode_cycle(events)
+        return events
+
+    def _take_inbox(self, events: List[Event]) -> None:
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            cancel, self._cancel = self._cancel, set()
+        for req in new:
+            self.waiting.append(self._new_row(req))
+        if cancel:
+            for r in [r for r in self.waiting if r.req.id in cancel]:
+                self.waiting.remove(r)
+                events.append(Event(r.req.id, [], "", "cancelled", stats=r.stats))
+            gone = [i for i, r in enumerate(self.rows) if r.req.id in cancel]
+            for i in gone:
+                events.append(Event(self.rows[i].req.id, [], "", "cancelled", stats=self.rows[i].stats))
+            self._drop_rows(gone)
+
+    def _new_row(self, req: Request) -> Row:
+        stop_ids = set(req.stop_token_ids if req.stop_token_ids is not None else self.tokenizer.eos_token_ids)
+        return Row(req=req, sampler=RowSampler(req.params), stop_ids=stop_ids, tokens=list(req.prompt),
+                   stats=RequestStats(prompt_tokens=len(req.prompt)), detok=self.tokenizer.detokenizer)
+
+    # ---------------------------------------------------------------- prefill (B=1)
+    def _prefill_chunk(self, row: Row, events: List[Event]) -> None:
+        prompt = row.req.prompt
+        if row.cache is None:
+            row.t0 = time.perf_counter()
+            self._start_prefill(row)
+        # Like mlx-lm: chunks over prompt[:-1], then the last token alone.
+        todo = len(prompt) - 1 - row.done_prompt
+        if todo > 0:
+            n = min(todo, self.prefill_step)
+            self._prefill_tokens(row, prompt[row.done_prompt : row.done_prompt + n])
+            row.done_prompt += n
+            return
+        if row.done_prompt < len(prompt):
+            logits = self._prefill_tokens(row, prompt[-1:])
+            row.done_prompt = len(prompt)
+            row.last_logits = logits[0, -1]
+            self.prefix_cache.store(prompt, row.cache, row.head_cache, row.pend_h, row.pend_t, row.last_logits)
+        self.waiting.popleft()
+        row.stats.prefill_seconds = time.perf_counter() - row.t0
+        # The first token comes from the prompt's last logits, as in plain decoding.
+        first = self._sample_single(row, row.last_logits[None])
+        row.y = first
+        if self.head is not None:
+            row.pend_t.append(first)
+        if not self._emit(row, [first], events):
+            self._join_batch(row)
+
+    def _start_prefill(self, row: Row) -> None:
+        entry = self.prefix_cache.lookup(row.req.prompt) if self.prefix_cache.max_bytes > 0 else None
+        if entry is not None and (self.head is None) == (entry.head_cache is None):
+            row.cache = adapter.copy_cache(entry.cache)
+            row.head_cache = adapter.copy_cache(entry.head_cache) if entry.head_cache is not None else None
+            row.pend_h, row.pend_t = entry.pend_h, list(entry.pend_t)
+            row.done_prompt = len(entry.tokens)
+            row.last_logits = entry.last_logits
+            row.stats.cached_prompt_tokens = len(entry.tokens)
+        else:
+            row.cache = adapter.make_cache(self.parts, 1)
+            row.head_cache = adapter.make_head_cache(self.head, 1) if self.head is not None else None
+
+    def _prefill_tokens(self, row: Row, tokens: List[int]) -> mx.array:
+        logits, hidden = adapter.forward(self.parts, mx.array(tokens)[None], row.cache, self.hidden_state)
+        if self.head is not None:
+            # Pair each new hidden with the token after it; absorb every complete pair.
+            done = row.done_prompt
+            nh = 0 if row.pend_h is None else row.pend_h.shape[0]
+            h = hidden[0]
+            row.pend_h = h if row.pend_h is None else mx.concatenate([row.pend_h, h])
+            # Pending hiddens cover positions [done - nh, done + len(tokens)); each pairs
+            # with the prompt token after it, where the prompt has one.
+            row.pend_t = row.req.prompt[done - nh + 1 : done + len(tokens) + 1]
+            n = len(row.pend_t)
+            if n:
+                head_pass(self.head, self.parts, row.head_cache, [row.pend_h], [row.pend_t], [n])
+                row.pend_h, row.pend_t = row.pend_h[n:], []
+        mx.eval(logits, *_cache_arrays(row.cache), *(_cache_arrays(row.head_cache) if row.head_cache else []),
+                *([row.pend_h] if row.pend_h is not None else []))
+        return logits
+
+    def _join_batch(self, row: Row) -> None:
+        if self.cache is None:
+            self.cache, self.head_cache = row.cache, row.head_cache
+        else:
+            adapter.extend_cache(self.cache, row.cache)
+            if self.head_cache is not None:
+                adapter.extend_cache(self.head_cache, row.head_cache)
+        row.cache = row.head_cache = None
+        self.rows.append(row)
+
+    def _drop_rows(self, gone: List[int]) -> None:
+        if not gone:
+            return
+        keep = [i for i in range(len(self.rows)) if i not in set(gone)]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.head_cache = None
+            return
+        adapter.filter_cache(self.cache, keep)
+        if self.head_cache is not None:
+            adapter.filter_cache(self.head_cache, keep)
+
+    # ---------------------------------------------------------------- decode
+    def _choose_depth(self) -> int:
+        if self.head is None:
+            return 0
+        limit = min(r.req.max_tokens - r.generated - 1 for r in self.rows)
+        pinned = [r.req.num_draft for r in self.rows if r.req.num_draft is not None]
+        if pinned:
+            limit = min(limit, min(pinned))
+        return self.policy.choose(len(self.rows), limit)
+
+    def _decode_cycle(self, events: List[Event]) -> None:
+        t0 = time.perf_counter()
+        rows, B = self.rows, len(self.rows)
+        k = self._choose_depth()
+        ys = mx.array([r.y for r in rows], dtype=mx.int32)[:, None]
+        q_rows: List[Optional[mx.array]] = [None] * B
+        if k > 0:
+            drafts, q_rows = draft(self.head, self.parts, self.head_cache, [r.pend_h for r in rows],
+                                   [r.pend_t for r in rows], k, self._picker(rows))
+            inputs = mx.concatenate([ys, drafts], axis=1)
+            with gdn_capture.record() as rec:
+                logits, hidden = adapter.forward(self.parts, inputs, self.cache, self.hidden_state)
+            records = rec.layers
+        else:
+            drafts = mx.zeros((B, 0), dtype=mx.int32)
+            logits, hidden = adapter.forward(self.parts, ys, self.cache, self.hidden_state)
+            records = []
+        kept, tokens, lps = self._accept(rows, logits, drafts, q_rows)
+        mx.eval(kept, tokens, *([lps] if lps is not None else []))
+        kept_l, tok_l = kept.tolist(), tokens.tolist()
+        lp_l = lps.tolist() if lps is not None else None
+
+        finished, consumed = [], []
+        for b, row in enumerate(rows):
+            emitted = tok_l[b][: kept_l[b] + 1]
+            row.stats.record_cycle(k, kept_l[b], len(emitted))
+            n = self._emit(row, emitted, events, lp_l[b] if lp_l is not None else None)
+            consumed.append(n if n else len(emitted))
+            if n:
+                finished.append(b)
+        # Roll back to exactly the tokens each row consumed (y plus the kept drafts).
+        adapter.commit(self.cache, records, consumed, k + 1)
+        if self.head is not None:
+            if k > 1:
+                for c in self.head_cache:
+                    c.trim_rows([k - 1] * B)
+            for b, row in enumerate(rows):
+                new_h = hidden[b, : consumed[b]]
+                row.pend_h = new_h if (k > 0 or row.pend_h is None) else mx.concatenate([row.pend_h, new_h])
+                row.pend_t = (tok_l[b][: consumed[b]]) if k > 0 else row.pend_t + tok_l[b][: consumed[b]]
+            if k == 0 and max(len(r.pend_t) for r in rows) > ABSORB_AFTER:
+                self._absorb()
+        for b, row in enumerate(rows):
+            row.y = row.tokens[-1]
+        dt = time.perf_counter() - t0
+        self.policy.update(k, B, dt, kept_l)
+        self.cycles += 1
+        self.last_depth = k
+        for row in rows:
+            row.stats.decode_seconds += dt
+        for b in finished:
+            row = rows[b]
+            if self.prefix_cache.max_bytes > 0:
+                self._store_finished(b)
+        self._drop_rows(finished)
+
+    def _absorb(self) -> None:
+        """Let the head consume all but the last pending pair of every row (k = 0 streaks)."""
+        counts = [len(r.pend_t) - 1 for r in self.rows]
+        if max(counts) <= 0:
+            return
+        head_pass(self.head, self.parts, self.head_cache, [r.pend_h for r in self.rows],
+                  [r.pend_t for r in self.rows], counts)
+        for r, n in zip(self.rows, counts):
+            r.pend_h, r.pend_t = r.pend_h[n:], r.pend_t[n:]
+
+    def _store_finished(self, b: int) -> None:
+        # The state covers every token but the last one emitted (never fed, as in plain decoding).
+        row = self.rows[b]
+        cache = adapter.extract_cache(self.cache, b)
+        head_cache = adapter.extract_cache(self.head_cache, b) if self.head_cache is not None else None
+        # Without the logits after the last consumed token this entry could only seed longer
+        # prompts; give it the distribution that produced the final token is not needed then.
+        toks = row.tokens[:-1]
+        pend_t = row.pend_t[:-1] if self.head is not None else []
+        pend_h = row.pend_h if self.head is not None else None
+        if self.head is not None and pend_h is not None:
+            pend_h = pend_h[: len(pend_t) + 1]
+        self.prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, _NO_LOGITS)
+
+    # ---------------------------------------------------------------- sampling
+    def _contexts(self, row: Row, extra: mx.array, n: int) -> List[mx.array]:
+        base = mx.array(row.tokens, dtype=mx.int32)
+        return [mx.concatenate([base, extra[:j]]) for j in range(n)]
+
+    def _picker(self, rows: List[Row]):
+        plain = all(r.sampler.params.greedy and not r.sampler.procs for r in rows)
+
+        def pick(step, logits, so_far):
+            if plain:
+                return mx.argmax(logits, axis=-1), [None] * len(rows)
+            toks, qs = [], []
+            for b, r in enumerate(rows):
+                lg = logits[b : b + 1]
+                if r.sampler.procs:
+                    ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32), so_far[b]])
+                    lg = r.sampler.process(lg, [ctx])
+                if r.sampler.params.greedy:
+                    toks.append(mx.argmax(lg, axis=-1)[0])
+                    qs.append(None)
+                else:
+                    lp = r.sampler.logprobs(lg)
+                    toks.append(sample(lp, r.sampler.next_key())[0])
+                    qs.append(lp[0])
+            return mx.stack(toks), qs
+
+        return pick
+
+    def _accept(self, rows: List[Row], logits: mx.array, drafts: mx.array, q_rows):
+        """-> kept [B], tokens [B, k+1], logprobs of the emitted tokens [B, k+1] or None."""
+        B, T = logits.shape[0], logits.shape[1]
+        k = T - 1
+        want_lp = any(r.req.logprobs is not None for r in rows)
+        if all(r.sampler.params.greedy and not r.sampler.procs for r in rows):
+            if k == 0:
+                tokens = mx.argmax(logits, axis=-1)
+                kept = mx.zeros((B,), dtype=mx.int32)
+            else:
+                kept, tokens = accept_greedy(logits, drafts)
+            lps = _token_logprobs(logits, tokens) if want_lp else None
+            return kept, tokens, lps
+        kepts, toks, lps = [], [], []
+        for b, r in enumerate(rows):
+            lg = logits[b]
+            if r.sampler.procs:
+                lg = r.sampler.process(lg, self._contexts(r, drafts[b], T))
+            if r.sampler.params.greedy:
+                if k == 0:
+                    kb, tb = mx.array(0), mx.argmax(lg, axis=-1)
+                else:
+                    kb, tb = accept_greedy(lg[None], drafts[b][None])
+                    kb, tb = kb[0], tb[0]
+            else:
+                p = r.sampler.logprobs(lg)
+                if k == 0:
+                    kb, tb = mx.array(0), sample(p, r.sampler.next_key())
+                else:
+                    kb, tb = accept_sampled(p, q_rows[b], drafts[b], r.sampler.next_key(),
+                                            rule=self.acceptance_rule)
+            kepts.append(kb)
+            toks.append(tb.astype(mx.int32))
+            if want_lp:
+                lps.append(_token_logprobs(lg[None], tb[None])[0])
+        return (mx.stack(kepts).astype(mx.int32), mx.stack(toks),
+                mx.stack(lps) if want_lp else None)
+
+    def _sample_single(self, row: Row, logits: mx.array) -> int:
+        lg = logits
+        if row.sampler.procs:
+            lg = row.sampler.process(lg, [mx.array(row.tokens, dtype=mx.int32)])
+        if row.sampler.params.greedy:
+            tok = mx.argmax(lg, axis=-1)
+        else:
+            tok = sample(row.sampler.logprobs(lg), row.sampler.next_key())
+        if row.req.logprobs is not None:
+            row.first_lp = _token_logprobs(lg, tok[None])[0].item()
+        return int(tok.item())
+
+    # ---------------------------------------------------------------- output
+    def _emit(self, row: Row, tokens: List[int], events: List[Event], lps=None) -> int:
+        """Append tokens to a row and queue its event. Returns 0 while the row goes on, else
+        how many of `tokens` it consumed before finishing (the rest are never emitted)."""
+        out, reason = [], None
+        stops = row.req.stop
+        for t in tokens:
+            row.tokens.append(t)
+            row.generated += 1
+            row.stats.generated_tokens += 1
+            out.append(t)
+            if t in row.stop_ids:
+                reason = "stop"
+                break
+            row.detok.add_token(t)
+            if stops and _find_stop(row.detok.text, stops) is not None:
+                reason = "stop"
+                break
+            if row.generated >= row.req.max_tokens:
+                reason = "length"
+                break
+        if reason is not None:
+            row.detok.finalize()
+        text = row.detok.text
+        if stops and (hit := _find_stop(text, stops)) is not None:
+            text = text[:hit]
+            reason = reason or "stop"
+        # Hold back text that could still grow into a stop string.
+        hold = 0 if reason is not None else max((len(s) - 1 for s in stops), default=0)
+        upto = max(row.sent, len(text) - hold)
+        delta, row.sent = text[row.sent : upto], upto
+        row.text = text
+        lp_list = None
+        if row.req.logprobs is not None:
+            vals = lps if lps is not None else [row.first_lp]
+            lp_list = [{"token": t, "logprob": float(v)} for t, v in zip(out, vals)]
+        events.append(Event(row.req.id, out, delta, reason, logprobs=lp_list,
+                            stats=row.stats if reason else None))
+        return len(out) if reason else 0
+
+
+_NO_LOGITS = mx.zeros((0,))
+
+
+def _find_stop(text: str, stops: List[str]) -> Optional[int]:
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]
+
+
+def _cache_arrays(cache: list) -> List[mx.array]:
+    out = []
+    for c in cache:
+        if hasattr(c, "lengths") and hasattr(c, "keys") and not hasattr(c, "cache"):
+            if c.keys is not None:
+                out += [c.keys, c.values]
+        else:
+            out += [a for a in c.cache if a is not None]
+    return out

@@ -1,0 +1,69 @@
+"""`mlxmtp generate`: one prompt, printed like `mlx_lm generate`, or as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+
+@click.command()
+@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model).")
+@click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
+@click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--seed", default=None, type=int)
+@click.option("--enable-mtp/--disable-mtp", default=True, show_default=True)
+@click.option("--num-draft", default=None, type=click.IntRange(0, 8), help="Pin the draft depth (default: adaptive).")
+@click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
+@click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
+             mtp_fallback, no_chat_template, as_json):
+    """Generate a completion for PROMPT."""
+    from ..models.load import MTPLoadError, load
+    from .generate import generate as run
+    from .sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        m, tok = load(model, mtp=enable_mtp, mtp_fallback=mtp_fallback)
+    except MTPLoadError as e:
+        raise click.ClickException(str(e)) from e
+    if no_chat_template or tok.chat_template is None:
+        ids = tok.encode(prompt)
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    try:
+        params.validate(m.mtp.parts.args.vocab_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    t0 = time.perf_counter()
+    res = run(m, tok, ids, max_tokens=max_tokens, params=params, enable_mtp=enable_mtp and m.mtp.active,
+              num_draft=num_draft)
+    wall = time.perf_counter() - t0
+    stats = res.stats.as_dict()
+    stats["wall_seconds"] = wall
+    stats["mtp_active"] = bool(enable_mtp and m.mtp.active)
+    if as_json:
+        click.echo(json.dumps({"text": res.text, "prompt_tokens": res.prompt_tokens, "token_ids": res.token_ids,
+                               "finish_reason": res.finish_reason, "stats": stats}))
+        return
+    click.echo("=" * 10)
+    click.echo(res.text)
+    click.echo("=" * 10)
+    click.echo(f"Prompt: {res.prompt_tokens} tokens, {res.prompt_tokens / max(stats['prefill_seconds'], 1e-9):.1f} tokens-per-sec")
+    click.echo(f"Generation: {stats['generated_tokens']} tokens, {stats['tokens_per_second']:.1f} tokens-per-sec")
+    if stats["mtp_active"]:
+        by_pos = ", ".join(f"{a:.0%}" for a in stats["acceptance_by_position"])
+        click.echo(f"MTP: drafted {stats['drafted']}, accepted {stats['accepted']} ({stats['acceptance']:.0%}; by position: {by_pos}), "
+                   f"{stats['tokens_per_forward']:.2f} tokens/forward, depths {stats['depths']}")
+    else:
+        click.echo("MTP: off" + (f" ({m.mtp.disabled_reason})" if m.mtp.disabled_reason else ""))

@@ -1,0 +1,140 @@
+"""Everything the engine needs from mlx-lm's internals, in one place.
+
+Tested with mlx-lm 0.32.x (pinned in pyproject). If mlx-lm changes its Qwen model
+files, this module, models/family.py and models/gdn_capture.py are what to revisit.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from ..models import gdn_capture
+from ..models.family import TextParts
+from .ragged_cache import RaggedKVCache
+
+
+def prepare_model(model: nn.Module) -> None:
+    """One-time, behaviour-preserving patches needed for rollback (see gdn_capture)."""
+    gdn_capture.install(model)
+
+
+def is_linear(layer) -> bool:
+    return bool(getattr(layer, "is_linear", False))
+
+
+def make_cache(parts: TextParts, batch_size: int = 1) -> list:
+    """Ragged KV caches for attention layers, mlx-lm ArraysCache for Gated DeltaNet layers."""
+    return [ArraysCache(size=2) if is_linear(layer) else RaggedKVCache(batch_size)
+            for layer in parts.backbone.layers]
+
+
+def make_head_cache(head, batch_size: int = 1) -> list:
+    return [RaggedKVCache(batch_size) for _ in head.layers]
+
+
+def forward(parts: TextParts, tokens: mx.array, cache: list, hidden_state: str = "post_norm"):
+    """One backbone forward -> (logits, hidden for the MTP head).
+
+    The logits are computed by the same calls as mlx-lm's own `__call__` (backbone, then
+    lm_head / tied embedding), so they are identical; the post-norm hidden state is the
+    backbone's output itself, free. Pre-norm needs the input of the final norm.
+    """
+    if hidden_state == "pre_norm":
+        norm = parts.backbone.norm
+        captured = {}
+        orig = type(norm).__call__
+
+        class _Tap(type(norm)):
+            def __call__(self, x):
+                captured["x"] = x
+                return orig(self, x)
+
+        norm.__class__ = _Tap
+        try:
+            h = parts.backbone(tokens, cache)
+        finally:
+            norm.__class__ = type(norm).__mro__[1]
+        return parts.lm_head(h), captured["x"]
+    h = parts.backbone(tokens, cache)
+    return parts.lm_head(h), h
+
+
+def gdn_layers(cache: list) -> List[ArraysCache]:
+    return [c for c in cache if isinstance(c, ArraysCache)]
+
+
+def attention_caches(cache: list) -> List[RaggedKVCache]:
+    return [c for c in cache if isinstance(c, RaggedKVCache)]
+
+
+def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> None:
+    """Roll every layer back to the state after `kept[b]` of the `verified` tokens of row b.
+
+    Attention: trim each row's end. Gated DeltaNet: the conv state is a slice of the
+    recorded conv window and the recurrent state the recorded one after that position,
+    so no second forward is needed.
+    """
+    trims = [verified - n for n in kept]
+    if any(trims):
+        for c in attention_caches(cache):
+            c.trim_rows(trims)
+    gdn = gdn_layers(cache)
+    if not any(trims):
+        return  # the forward already left every layer at its final state
+    assert len(gdn) == len(records), "recorded Gated DeltaNet layers do not match the cache"
+    B = len(kept)
+    for c, rec in zip(gdn, records):
+        n_keep = rec.conv_input.shape[1] - verified
+        if B == 1:
+            n = kept[0]
+            c[0] = rec.conv_input[:, n : n + n_keep]
+            c[1] = rec.states[n - 1]
+        else:
+            ends = mx.array(kept)
+            pos = (ends[:, None] + mx.arange(n_keep))[..., None]
+            c[0] = mx.take_along_axis(rec.conv_input, pos, axis=1)
+            states = mx.stack(rec.states)  # [T, B, Hv, Dv, Dk]
+            c[1] = states[ends - 1, mx.arange(B)]
+
+
+def filter_cache(cache: list, rows: List[int]) -> None:
+    for c in cache:
+        c.filter(rows)
+
+
+def extend_cache(cache: list, other: list) -> None:
+    for c, o in zip(cache, other):
+        c.extend(o)
+
+
+def extract_cache(cache: list, row: int) -> list:
+    out = []
+    for c in cache:
+        if isinstance(c, RaggedKVCache):
+            out.append(c.extract(row))
+        else:
+            e = ArraysCache(len(c.cache))
+            e.cache = [None if a is None else a[row : row + 1] for a in c.cache]
+            out.append(e)
+    return out
+
+
+def copy_cache(cache: list) -> list:
+    """A shallow copy: arrays are immutable, so sharing them is safe and free."""
+    out = []
+    for c in cache:
+        if isinstance(c, RaggedKVCache):
+            out.append(c.copy())
+        else:
+            e = ArraysCache(len(c.cache))
+            e.cache = list(c.cache)
+            out.append(e)
+    return out
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(c.nbytes for c in cache)

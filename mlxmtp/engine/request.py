@@ -1,0 +1,97 @@
+"""What a caller submits to the engine and what it gets back."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Request:
+    prompt: List[int]
+    max_tokens: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: List[str] = field(default_factory=list)
+    stop_token_ids: Optional[List[int]] = None  # None: the tokenizer's EOS tokens
+    num_draft: Optional[int] = None  # pin this request's depth (0 = no MTP)
+    logprobs: Optional[int] = None  # None: none; 0: chosen token only; n: plus top n
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        if not self.prompt:
+            raise ValueError("the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if vocab_size is not None and (min(self.prompt) < 0 or max(self.prompt) >= vocab_size):
+            raise ValueError("prompt token id out of range")
+        self.params.validate(vocab_size)
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forwards: int = 0  # main-model decode forwards (prefill excluded)
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_position: List[int] = field(default_factory=list)
+    accepted_by_position: List[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    depths: Dict[int, int] = field(default_factory=dict)
+
+    def record_cycle(self, k: int, kept: int, emitted: int) -> None:
+        self.forwards += 1
+        self.drafted += k
+        self.accepted += min(kept, k)
+        self.depths[k] = self.depths.get(k, 0) + 1
+        while len(self.drafted_by_position) < k:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(k):
+            if kept >= i:  # position i+1 was reached
+                self.drafted_by_position[i] += 1
+                if kept > i:
+                    self.accepted_by_position[i] += 1
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, self.generated_tokens - 1)
+
+    def as_dict(self) -> dict:
+        by_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            "acceptance_by_position": by_pos,
+            # The first token comes from the prefill; a decode forward yields the rest.
+            "tokens_per_forward": self.decode_tokens / self.forwards if self.forwards else 0.0,
+            "forwards": self.forwards,
+            "depths": dict(sorted(self.depths.items())),
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "tokens_per_second": (self.decode_tokens / self.decode_seconds) if self.decode_seconds else 0.0,
+        }
+
+
+@dataclass
+class Event:
+    """Output of one engine step for one request."""
+
+    request_id: int
+    token_ids: List[int]
+    text: str  # new text, stop strings never included
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
+    logprobs: Optional[List[dict]] = None  # per token: {"token", "logprob", "top": [(id, lp), ...]}
+    stats: Optional[RequestStats] = None  # on the final event
+    error: Optional[str] = None

@@ -1,0 +1,96 @@
+"""Per-request sampling: the request's processors and filters turned into the
+distribution the target would sample from (exactly mlx-lm's order: logits
+processors, log-softmax, top-p / min-p / top-k, then temperature).
+
+Speculative sampling needs the distributions themselves (p for the target, q for the
+draft), not only a sample, so this module returns log-probabilities; the filters are
+mlx-lm's own functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None
+    seed: Optional[int] = None
+    logits_processors: List[Callable] = field(default_factory=list)
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if vocab_size is not None and self.top_k >= vocab_size:
+            raise ValueError(f"top_k must be < the vocabulary size ({vocab_size})")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def processors(self) -> List[Callable]:
+        return list(self.logits_processors) + make_logits_processors(
+            logit_bias=self.logit_bias,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+
+
+class RowSampler:
+    """Sampling state of one request: its processors, filters and random key."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.procs = params.processors()
+        self.key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def next_key(self):
+        if self.key is None:
+            return mx.random.key(int.from_bytes(__import__("os").urandom(4), "little"))
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def process(self, logits: mx.array, contexts: Sequence[mx.array]) -> mx.array:
+        """logits [T, V] -> processed logits; row t sees the tokens in contexts[t]."""
+        if not self.procs:
+            return logits
+        rows = []
+        for t, ctx in enumerate(contexts):
+            row = logits[t : t + 1]
+            for proc in self.procs:
+                row = proc(ctx, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Processed logits [T, V] -> the log-distribution a sample is drawn from."""
+        p = self.params
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < p.top_p < 1.0:
+            lp = apply_top_p(lp, p.top_p)
+        if p.min_p != 0.0:
+            lp = apply_min_p(lp, p.min_p)
+        if p.top_k > 0:
+            lp = apply_top_k(lp, p.top_k)
+        lp = lp * (1.0 / p.temperature)
+        return lp - mx.logsumexp(lp, axis=-1, keepdims=True)

@@ -1,0 +1,284 @@
+"""Load an mlx-lm model and attach its MTP head.
+
+mlx-lm loads the main model (and drops `mtp.*` in every `sanitize`); this module
+finds the head's weights — in the HF checkpoint itself or in an injected `mtp/`
+folder — builds an `MTPHead` from mlx-lm's own layer classes and attaches it as
+`model.mtp` (a plain attribute, so the model's parameter tree and logits are
+exactly stock mlx-lm's).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..convert import hf_head, mtp_folder
+from .family import TextParts, family_of, text_config, text_parts
+from .mtp_head import MTPHead
+
+log = logging.getLogger("mlxmtp")
+
+REPAIR_HINT = (
+    "Repair it with: mlxmtp add-mtp-weights --model {model} --source <BF16 HF checkpoint or repo id>"
+    " (or serve without MTP: drop --enable-mtp, or add --mtp-fallback)."
+)
+HIDDEN_STATES = ("post_norm", "pre_norm")
+
+
+class MTPLoadError(ValueError):
+    """The model has no usable MTP head; the message says why and how to repair it."""
+
+
+class MissingMTPHeadError(MTPLoadError):
+    pass
+
+
+@dataclass
+class HeadSource:
+    location: str  # "hf_checkpoint" | "mtp_folder"
+    path: Path
+    tensors: Dict[str, str] = field(default_factory=dict)  # hf: tensor -> shard
+    config: Optional[dict] = None  # mtp_folder: mtp/config.json
+
+
+@dataclass
+class MTPAttachment:
+    """What `load` hangs on `model.mtp`."""
+
+    parts: TextParts
+    head: Optional[MTPHead]
+    source: Optional[HeadSource]
+    info: dict
+    hidden_state: str = "post_norm"
+    disabled_reason: Optional[str] = None
+
+    @property
+    def active(self) -> bool:
+        return self.head is not None
+
+
+def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id through huggingface_hub
+    (its cache makes a second load offline)."""
+    p = Path(path_or_hf_id).expanduser()
+    if p.exists():
+        return p
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            path_or_hf_id,
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.py", "*.jinja", "tokenizer.model",
+                            "*.tiktoken", "*.txt", f"{mtp_folder.FOLDER}/*"],
+        )
+    )
+
+
+def locate_head(model_dir: Path) -> Optional[HeadSource]:
+    """Where the head's weights are, judged by the tensors present, never by the config
+    (fine-tunes and most quantized conversions keep `mtp_num_hidden_layers` and drop the tensors)."""
+    model_dir = Path(model_dir)
+    if mtp_folder.has_mtp_folder(model_dir):
+        import json
+
+        config = json.loads((model_dir / mtp_folder.FOLDER / mtp_folder.CONFIG).read_text())
+        return HeadSource("mtp_folder", model_dir / mtp_folder.FOLDER, config=config)
+    files = hf_head.mtp_tensor_files(model_dir)
+    if files:
+        return HeadSource("hf_checkpoint", model_dir, tensors=files)
+    return None
+
+
+def head_weights(source: HeadSource) -> tuple[Dict[str, mx.array], dict, Optional[dict]]:
+    """(parameters in MTPHead naming, layout info, quantization) for a located head."""
+    if source.location == "mtp_folder":
+        config, weights = mtp_folder.read_mtp_folder(source.path.parent)
+        info = {k: config[k] for k in ("expert_layout", "num_experts", "num_layers", "moe")}
+        return weights, info, config.get("quantization")
+    tensors = hf_head.load_mtp_tensors(source.path, source.tensors)
+    weights, info = hf_head.convert_hf_head(tensors)
+    return weights, info, None
+
+
+def quantize_like(module: nn.Module, quantization: dict, weights: Dict[str, mx.array]) -> None:
+    """Make `module` quantized like the saved weights, as mlx-lm's loader does for a model:
+    per-path overrides first, then every layer whose `scales` were saved."""
+
+    def predicate(path, m):
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(m, "to_quantized"):
+            return False
+        return f"{path}.scales" in weights
+
+    nn.quantize(
+        module,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def build_head(parts: TextParts, weights: Dict[str, mx.array], info: dict,
+               quantization: Optional[dict] = None) -> MTPHead:
+    head = MTPHead(parts, num_layers=max(1, info["num_layers"]), moe=info["moe"])
+    if quantization:
+        quantize_like(head, quantization, weights)
+    expected = dict(tree_flatten(head.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
+    if missing or extra or wrong:
+        details = []
+        if missing:
+            details.append(f"missing {missing[:5]}")
+        if extra:
+            details.append(f"unexpected {extra[:5]}")
+        if wrong:
+            k = wrong[0]
+            details.append(
+                f"{len(wrong)} shape mismatches, e.g. {k}: head has {tuple(weights[k].shape)}, "
+                f"model expects {tuple(expected[k].shape)}"
+            )
+        raise MTPLoadError(
+            "the MTP head does not match this model (" + "; ".join(details) + "). "
+            "Was it taken from another model?"
+        )
+    head.load_weights(list(weights.items()), strict=True)
+    head.eval()
+    return head
+
+
+def check_norm_convention(parts: TextParts, head: MTPHead) -> None:
+    """Refuse double-shifted (or never-shifted) head norms.
+
+    `mtp.norm` plays the role of the backbone's final `norm` (both feed the lm_head), so
+    their effective weights have similar scale; mlx-lm already got the backbone's right.
+    A head whose norms sit ~1 above (or below) it had its +1 shift applied twice (or never).
+    """
+    ref = parts.backbone.norm.weight.astype(mx.float32).mean().item()
+    for name, w in tree_flatten(head.parameters()):
+        if not name.endswith("norm.weight") or w.ndim != 1:
+            continue
+        diff = w.astype(mx.float32).mean().item() - ref
+        if abs(diff) > 0.6 and abs(abs(diff) - 1.0) < 0.4:
+            kind = "shifted twice" if diff > 0 else "never shifted"
+            raise MTPLoadError(
+                f"MTP head norm {name} looks {kind} (mean effective weight {ref + diff:.2f} vs "
+                f"{ref:.2f} for the model's final norm): the +1 zero-centred RMSNorm shift must be "
+                "applied exactly once. Rebuild the head with mlxmtp add-mtp-weights --force."
+            )
+
+
+def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_norm",
+               required: bool = True, model_name: str = "") -> MTPAttachment:
+    if hidden_state not in HIDDEN_STATES:
+        raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
+    parts = text_parts(model)
+    source = locate_head(model_dir)
+    if source is None:
+        reason = (
+            f"{model_name or model_dir} has no MTP head: no mtp.* tensors in its safetensors and no "
+            f"{mtp_folder.FOLDER}/ folder (quantized conversions usually drop it). "
+            + REPAIR_HINT.format(model=model_dir)
+        )
+        if required:
+            raise MissingMTPHeadError(reason)
+        attachment = MTPAttachment(parts, None, None, {}, hidden_state, disabled_reason=reason)
+    else:
+        weights, info, quantization = head_weights(source)
+        head = build_head(parts, weights, info, quantization)
+        check_norm_convention(parts, head)
+        attachment = MTPAttachment(parts, head, source, info, hidden_state)
+    # A plain attribute, not a child module: model.parameters() stays exactly stock mlx-lm's.
+    object.__setattr__(model, "mtp", attachment)
+    return attachment
+
+
+def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
+         hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False):
+    """Load model and tokenizer with mlx-lm, then attach the MTP head as `model.mtp`.
+
+    mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
+    unless mtp_fallback, in which case the model loads without MTP and the reason is logged.
+    """
+    import mlx_lm
+
+    if path_or_hf_id is None:
+        from .demo import demo_model_path
+
+        path_or_hf_id = str(demo_model_path())
+    model_dir = resolve_model_path(str(path_or_hf_id), revision)
+    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy)
+    if mtp:
+        try:
+            attachment = attach_mtp(model, model_dir, hidden_state=hidden_state, required=True,
+                                    model_name=str(path_or_hf_id))
+        except MissingMTPHeadError as e:
+            if not mtp_fallback:
+                raise
+            log.warning("MTP disabled: %s", e)
+            attachment = MTPAttachment(text_parts(model), None, None, {}, hidden_state,
+                                       disabled_reason=str(e))
+            object.__setattr__(model, "mtp", attachment)
+    else:
+        object.__setattr__(
+            model, "mtp",
+            MTPAttachment(text_parts(model), None, None, {}, hidden_state, disabled_reason="MTP not requested"),
+        )
+    return model, tokenizer
+
+
+def inspect_model(path_or_hf_id: str) -> dict:
+    """What `mlxmtp inspect` prints; reads configs and safetensors headers only."""
+    import json
+
+    model_dir = resolve_model_path(path_or_hf_id)
+    config = json.loads((model_dir / "config.json").read_text())
+    family = family_of(config)
+    tcfg = text_config(config)
+    quant = config.get("quantization")
+    source = locate_head(model_dir)
+    mtp: dict = {"present": source is not None}
+    if source is None:
+        mtp.update(layers=0, location=None, expert_layout=None, hidden_state=None,
+                   config_layers=tcfg.get("mtp_num_hidden_layers", tcfg.get("num_nextn_predict_layers")))
+    elif source.location == "mtp_folder":
+        c = source.config
+        mtp.update(layers=c["num_layers"], location=str(source.path), expert_layout=c["expert_layout"],
+                   num_experts=c["num_experts"], hidden_state=c.get("hidden_state", "post_norm"),
+                   quantization=c.get("quantization") and {k: c["quantization"][k] for k in ("bits", "group_size")
+                                                           if k in c["quantization"]},
+                   source=c.get("source"))
+    else:
+        names = list(source.tensors)
+        mtp.update(layers=hf_head.num_head_layers(names), location=str(source.path) + " (mtp.* tensors)",
+                   expert_layout=hf_head.expert_layout(names), num_experts=hf_head.num_experts(names)
+                   or _fused_experts(source), hidden_state="post_norm",
+                   shards=sorted(set(source.tensors.values())))
+    return {
+        "path": str(model_dir),
+        "family": family,
+        "quantization": None if quant is None else {k: quant[k] for k in ("bits", "group_size", "mode") if k in quant},
+        "dtype": tcfg.get("torch_dtype") or config.get("torch_dtype") or tcfg.get("dtype") or config.get("dtype"),
+        "hidden_size": tcfg.get("hidden_size"),
+        "num_hidden_layers": tcfg.get("num_hidden_layers"),
+        "vocab_size": tcfg.get("vocab_size"),
+        "num_experts": tcfg.get("num_experts", 0),
+        "mtp": mtp,
+    }
+
+
+def _fused_experts(source: HeadSource) -> int:
+    for name, shard in source.tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            return hf_head.safetensors_keys(source.path / shard)[name]["shape"][0]
+    return 0
