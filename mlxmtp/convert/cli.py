@@ -1,9 +1,41 @@
-"""`mlxmtp add-mtp-weights` (being implemented: see issue "add-mtp-weights")."""
+"""`mlxmtp add-mtp-weights`: put the MTP head back into a quantized MLX model folder."""
 
 import click
 
 
 @click.command("add-mtp-weights")
-def add_mtp_weights():
-    """Repair a quantized MLX model folder that lost its MTP head."""
-    raise click.ClickException("not implemented yet")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="The MLX model folder to repair (its own shards are never touched).")
+@click.option("--source", required=True,
+              help="The BF16 checkpoint holding mtp.* tensors: a local folder or a Hugging Face repo id.")
+@click.option("--bits", default="auto", show_default=True,
+              type=click.Choice(["auto", "2", "3", "4", "5", "6", "8", "16"]),
+              help="Head bits; auto = like the model; 16 keeps the source dtype unquantized.")
+@click.option("--group-size", default="auto", show_default=True, help="Group size; auto = like the model.")
+@click.option("--mode", default="auto", show_default=True,
+              type=click.Choice(["auto", "affine", "mxfp4", "nvfp4", "mxfp8"]),
+              help="Quantization mode; auto = like the model.")
+@click.option("--revision", default=None, help="Revision of the source repo (HF id only).")
+@click.option("--dry-run", is_flag=True, help="Print the plan, write nothing.")
+@click.option("--force", is_flag=True, help="Replace a head that is already there.")
+def add_mtp_weights(model_dir, source, bits, group_size, mode, revision, dry_run, force):
+    """Repair a quantized MLX model folder that lost its MTP head.
+
+    Reads only the source shards holding mtp.* tensors, converts them as mlx-lm converts the
+    main layers (norm +1 once, experts stacked / split), quantizes like the model (router and
+    shared_expert_gate as the model's main layers), validates against the model, and writes
+    MODEL/mtp/ atomically, on the CPU.
+    """
+    from .add_mtp_weights import AddMTPError
+    from .add_mtp_weights import add_mtp_weights as run
+
+    if group_size != "auto":
+        try:
+            group_size = int(group_size)
+        except ValueError:
+            raise click.BadParameter("must be auto or an integer", param_hint="--group-size") from None
+    try:
+        run(model_dir, source, bits=bits, group_size=group_size, mode=mode, dry_run=dry_run,
+            force=force, revision=revision, echo=click.echo)
+    except AddMTPError as e:
+        raise click.ClickException(str(e)) from e

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -93,6 +93,9 @@ class BatchGenerator:
         self._lock = threading.Lock()
         self.cycles = 0
         self.last_depth = 0
+        # Tests replace drafts through this hook to force chosen acceptance patterns
+        # (drafts are verified, so any drafts give the same output): draft_hook(rows, drafts) -> drafts.
+        self.draft_hook = None
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
@@ -121,8 +124,11 @@ class BatchGenerator:
     def step(self) -> List[Event]:
         events: List[Event] = []
         self._take_inbox(events)
-        if self.waiting and len(self.rows) < self.max_batch:
-            self._prefill_chunk(self.waiting[0], events)
+        # At most `prefill_step` prompt tokens per step, so decoding rows never wait long;
+        # short (or fully cached) prompts join several per step.
+        budget = self.prefill_step
+        while self.waiting and len(self.rows) < self.max_batch and budget > 0:
+            budget -= self._prefill_chunk(self.waiting[0], events, budget)
         if self.rows:
             self._decode_cycle(events)
         return events
@@ -148,7 +154,8 @@ class BatchGenerator:
                    stats=RequestStats(prompt_tokens=len(req.prompt)), detok=self.tokenizer.detokenizer)
 
     # ---------------------------------------------------------------- prefill (B=1)
-    def _prefill_chunk(self, row: Row, events: List[Event]) -> None:
+    def _prefill_chunk(self, row: Row, events: List[Event], budget: int) -> int:
+        """Advance one chunk of `row`'s prefill; returns the prompt tokens it processed (>= 1)."""
         prompt = row.req.prompt
         if row.cache is None:
             row.t0 = time.perf_counter()
@@ -156,10 +163,11 @@ class BatchGenerator:
         # Like mlx-lm: chunks over prompt[:-1], then the last token alone.
         todo = len(prompt) - 1 - row.done_prompt
         if todo > 0:
-            n = min(todo, self.prefill_step)
+            n = min(todo, budget)
             self._prefill_tokens(row, prompt[row.done_prompt : row.done_prompt + n])
             row.done_prompt += n
-            return
+            return n
+        used = 1
         if row.done_prompt < len(prompt):
             logits = self._prefill_tokens(row, prompt[-1:])
             row.done_prompt = len(prompt)
@@ -174,6 +182,7 @@ class BatchGenerator:
             row.pend_t.append(first)
         if not self._emit(row, [first], events):
             self._join_batch(row)
+        return used
 
     def _start_prefill(self, row: Row) -> None:
         entry = self.prefix_cache.lookup(row.req.prompt) if self.prefix_cache.max_bytes > 0 else None
@@ -233,7 +242,9 @@ class BatchGenerator:
     def _choose_depth(self) -> int:
         if self.head is None:
             return 0
-        limit = min(r.req.max_tokens - r.generated - 1 for r in self.rows)
+        # Drafting past a row's max_tokens is wasted but harmless (the stop truncates it);
+        # capping by the row with the most room keeps one finishing row from stalling MTP.
+        limit = max(r.req.max_tokens - r.generated - 1 for r in self.rows)
         pinned = [r.req.num_draft for r in self.rows if r.req.num_draft is not None]
         if pinned:
             limit = min(limit, min(pinned))
@@ -248,6 +259,8 @@ class BatchGenerator:
         if k > 0:
             drafts, q_rows = draft(self.head, self.parts, self.head_cache, [r.pend_h for r in rows],
                                    [r.pend_t for r in rows], k, self._picker(rows))
+            if self.draft_hook is not None:
+                drafts = self.draft_hook(rows, drafts)
             inputs = mx.concatenate([ys, drafts], axis=1)
             with gdn_capture.record() as rec:
                 logits, hidden = adapter.forward(self.parts, inputs, self.cache, self.hidden_state)
@@ -281,7 +294,7 @@ class BatchGenerator:
                 row.pend_t = (tok_l[b][: consumed[b]]) if k > 0 else row.pend_t + tok_l[b][: consumed[b]]
             if k == 0 and max(len(r.pend_t) for r in rows) > ABSORB_AFTER:
                 self._absorb()
-        for b, row in enumerate(rows):
+        for row in rows:
             row.y = row.tokens[-1]
         dt = time.perf_counter() - t0
         self.policy.update(k, B, dt, kept_l)
@@ -289,9 +302,8 @@ class BatchGenerator:
         self.last_depth = k
         for row in rows:
             row.stats.decode_seconds += dt
-        for b in finished:
-            row = rows[b]
-            if self.prefix_cache.max_bytes > 0:
+        if self.prefix_cache.max_bytes > 0:
+            for b in finished:
                 self._store_finished(b)
         self._drop_rows(finished)
 

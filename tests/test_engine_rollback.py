@@ -1,0 +1,107 @@
+"""Rollback is exact: after every acceptance pattern the caches equal those of a plain
+decoder that never saw the rejected tokens; stops inside drafts end everything at the
+emitted tokens."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.ragged_cache import RaggedKVCache
+from mlxmtp.engine.request import Request
+
+
+def reference_cache(ref_model, tokens):
+    cache = make_prompt_cache(ref_model)
+    ref_model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def assert_caches_equal(engine_cache, ref_cache, row=0):
+    for mine, theirs in zip(engine_cache, ref_cache):
+        if isinstance(mine, RaggedKVCache):
+            n = mine.lengths[row]
+            assert n == theirs.offset
+            k, v = theirs.keys[..., :n, :], theirs.values[..., :n, :]
+            np.testing.assert_allclose(np.array(mine.keys[row : row + 1, :, :n]), np.array(k), atol=1e-4)
+            np.testing.assert_allclose(np.array(mine.values[row : row + 1, :, :n]), np.array(v), atol=1e-4)
+        else:
+            for a, b in zip(mine.cache, theirs.cache):
+                np.testing.assert_allclose(np.array(a[row : row + 1]), np.array(b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_6_moe"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_caches_match_plain_decoder_after_every_cycle(fixture_model, family, batch):
+    model, tok, ref = loaded(str(fixture_model(family)["hf"]))
+    eng = BatchGenerator(model, tok, num_draft=3)
+    wants = {}
+    for b in range(batch):
+        prompt = prompt_of(9 + 5 * b, seed=b)
+        req = Request(prompt=prompt, max_tokens=40)
+        wants[req.id] = reference_greedy(ref, prompt, 40)
+        eng.submit(req)
+    eng.draft_hook = oracle_hook(wants, p_correct=0.6, seed=1)
+    checked = 0
+    while eng.has_work:
+        eng.step()
+        if eng.rows and eng.cycles % 2 == 0:
+            for i, row in enumerate(eng.rows):
+                # Everything but the last emitted token has been fed to the main model.
+                assert_caches_equal(eng.cache, reference_cache(ref, row.tokens[:-1]), row=i)
+                checked += 1
+    assert checked >= 10
+
+
+def test_stop_string_inside_accepted_draft(fixture_model):
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompt = prompt_of(12, seed=3)
+    want = reference_greedy(ref, prompt, 40)
+    full_text = tok.decode(want)
+    # A stop string that completes at a token in the middle of a cycle's drafts.
+    stop = full_text[len(tok.decode(want[:9])) : len(tok.decode(want[:11]))]
+    assert stop
+    eng = BatchGenerator(model, tok, num_draft=4)
+    req = Request(prompt=prompt, max_tokens=40, stop=[stop])
+    eng.submit(req)
+    eng.draft_hook = oracle_hook({req.id: want}, p_correct=1.0)
+    text, ids, reason, last_cache = "", [], None, None
+    while eng.has_work:
+        if eng.cache is not None:
+            last_cache = eng.cache
+        for ev in eng.step():
+            text += ev.text
+            ids += ev.token_ids
+            reason = ev.finish_reason or reason
+    assert reason == "stop"
+    assert stop not in text
+    assert full_text.startswith(text + stop)
+    assert ids == want[: len(ids)] and len(ids) < 40
+    # Nothing past the stop was kept: the caches end at the emitted tokens.
+    expect = len(prompt) + len(ids) - 1
+    for c in last_cache:
+        if isinstance(c, RaggedKVCache):
+            assert c.lengths == [expect]
+
+
+def test_eos_inside_draft_and_max_tokens_mid_draft(fixture_model):
+    model, tok, ref = loaded(str(fixture_model("qwen3_next")["hf"]))
+    prompt = prompt_of(12, seed=4)
+    want = reference_greedy(ref, prompt, 40)
+    eos = want[13]
+    first = want.index(eos)
+    for stop_ids, max_tokens, expected in (([eos], 40, want[: first + 1]), ([], 7, want[:7])):
+        eng = BatchGenerator(model, tok, num_draft=4)
+        req = Request(prompt=prompt, max_tokens=max_tokens, stop_token_ids=stop_ids)
+        eng.submit(req)
+        eng.draft_hook = oracle_hook({req.id: want}, p_correct=1.0)
+        ids, reason = [], None
+        while eng.has_work:
+            for ev in eng.step():
+                ids += ev.token_ids
+                reason = ev.finish_reason or reason
+        assert ids == expected
+        assert reason == ("stop" if stop_ids else "length")

@@ -1,0 +1,143 @@
+"""Speculative sampling keeps the target distribution exactly (chi-square tests), and a
+deliberately biased acceptance rule (keep a draft iff it is the target's argmax) is caught."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.rejection_sampler import accept_sampled
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.models.load import load
+from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+# 99.9% quantiles of chi-square, to keep false alarms rare with fixed seeds anyway.
+CHI2_999 = {7: 24.32, 15: 37.70, 31: 61.10, 63: 103.4}
+
+
+def chi2_two_sample(a, b):
+    """Two-sample chi-square statistic over the categories seen; returns (stat, dof)."""
+    cats = sorted(set(a) | set(b))
+    ca = np.array([a.count(c) for c in cats], float)
+    cb = np.array([b.count(c) for c in cats], float)
+    keep = (ca + cb) >= 10  # pool rare categories
+    ca = np.append(ca[keep], ca[~keep].sum())
+    cb = np.append(cb[keep], cb[~keep].sum())
+    if ca[-1] + cb[-1] == 0:
+        ca, cb = ca[:-1], cb[:-1]
+    na, nb = ca.sum(), cb.sum()
+    tot = ca + cb
+    ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+    stat = (((ca - ea) ** 2) / ea).sum() + (((cb - eb) ** 2) / eb).sum()
+    return stat, len(tot) - 1
+
+
+def chi2_quantile(dof):
+    # Wilson-Hilferty approximation of the 99.9% quantile.
+    z = 3.09
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("rule,should_match", [("exact", True), ("argmax", False)])
+def test_rejection_sampler_first_token_follows_target(k, rule, should_match):
+    V = 8
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(V) * 0.7, size=k + 1)
+    q = rng.dirichlet(np.ones(V) * 0.7, size=k)
+    p_lp, q_lp = mx.log(mx.array(p, dtype=mx.float32)), mx.log(mx.array(q, dtype=mx.float32))
+    key = mx.random.key(1)
+    firsts = []
+    N = 3000
+    for _ in range(N):
+        key, kd, ka = mx.random.split(key, 3)
+        drafts = mx.random.categorical(q_lp, key=kd).astype(mx.int32)
+        _, toks = accept_sampled(p_lp, q_lp, drafts, ka, rule=rule)
+        firsts.append(toks[0])
+    counts = np.bincount(np.array(mx.stack(firsts)), minlength=V)
+    expected = p[0] * N
+    stat = (((counts - expected) ** 2) / expected).sum()
+    assert (stat < CHI2_999[V - 1]) == should_match, stat
+
+
+class OracleDraftEngine(BatchGenerator):
+    """Drafts from q = 0.8 p + 0.2 uniform, p being the target's own processed distribution.
+
+    The fixture's random head is so far from the model that a wrong acceptance rule barely
+    shows; a draft distribution close to the target's is what real heads give and what
+    makes a biased rule visible. The engine's acceptance path is unchanged."""
+
+    def _picker(self, rows):
+        def pick(step, logits, so_far):
+            toks, qs = [], []
+            for b, r in enumerate(rows):
+                ctx = mx.array(r.tokens + so_far[b].tolist(), dtype=mx.int32)
+                target = self.model(ctx[None])[0, -1:]
+                p = mx.exp(r.sampler.logprobs(r.sampler.process(target, [ctx])))
+                q = mx.log(0.8 * p + 0.2 / p.shape[-1])
+                toks.append(mx.random.categorical(q, key=r.sampler.next_key())[0])
+                qs.append(q[0])
+            return mx.stack(toks), qs
+
+        return pick
+
+
+def _sample_tokens(model, tok, *, enable_mtp, rule, n, params, seed0):
+    eng = OracleDraftEngine(model, tok, enable_mtp=enable_mtp, num_draft=2, max_batch=64,
+                         prefix_cache_bytes=64 << 20, acceptance_rule=rule)
+    prompt = [5, 17, 42, 9, 33, 2]
+    # Distinct seeds per arm: paired seeds would share first tokens and deflate the statistic.
+    for seed in range(seed0, seed0 + n):
+        p = SamplingParams(**params, seed=seed)
+        eng.submit(Request(prompt=prompt, max_tokens=3, params=p))
+    outs = {}
+    while eng.has_work:
+        for ev in eng.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+    return list(outs.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_model(tmp_path_factory):
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("tiny_vocab") / "m", "qwen3_5", vocab_size=64)
+    return load(str(path))
+
+
+N = 1200
+PARAMS = dict(temperature=0.5)
+
+
+@pytest.fixture(scope="module")
+def plain_samples(tiny_vocab_model):
+    model, tok = tiny_vocab_model
+    return _sample_tokens(model, tok, enable_mtp=False, rule="exact", n=N, params=PARAMS, seed0=0)
+
+
+def _chi2_by_position(a, b):
+    return [chi2_two_sample([o[pos] for o in a], [o[pos] for o in b]) for pos in (1, 2)]
+
+
+def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples):
+    model, tok = tiny_vocab_model
+    mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=N, params=PARAMS, seed0=N)
+    for stat, dof in _chi2_by_position(plain_samples, mtp):
+        assert stat < chi2_quantile(dof), (stat, dof)
+
+
+def test_engine_catches_biased_acceptance_rule(tiny_vocab_model, plain_samples):
+    model, tok = tiny_vocab_model
+    biased = _sample_tokens(model, tok, enable_mtp=True, rule="argmax", n=N, params=PARAMS, seed0=2 * N)
+    stats = _chi2_by_position(plain_samples, biased)
+    assert any(stat > chi2_quantile(dof) for stat, dof in stats), stats
+
+
+def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model):
+    """top-k / top-p / repetition penalty are applied to p and q alike."""
+    model, tok = tiny_vocab_model
+    params = dict(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.3)
+    n = 600
+    plain = _sample_tokens(model, tok, enable_mtp=False, rule="exact", n=n, params=params, seed0=0)
+    mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=n, params=params, seed0=n)
+    for stat, dof in _chi2_by_position(plain, mtp):
+        assert stat < chi2_quantile(dof), (stat, dof)
