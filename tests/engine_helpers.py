@@ -43,7 +43,10 @@ def oracle_hook(expected: dict, p_correct: float = 0.7, seed: int = 0):
     def hook(rows, drafts):
         k = drafts.shape[1]
         out = []
-        for row in rows:
+        for b, row in enumerate(rows):
+            if row.req.id not in expected:  # e.g. sampled rows keep their own drafts
+                out.append(drafts[b].tolist())
+                continue
             ref = expected[row.req.id]
             g = row.generated  # tokens emitted so far; the next one is ref[g]
             d = []

@@ -96,15 +96,21 @@ class RaggedKVCache:
         self.lengths = [self.lengths[r] for r in rows]
 
     def extend(self, other: "RaggedKVCache") -> None:
-        if other.keys is None:
-            self.lengths += other.lengths
+        """Append other's rows; an empty side gets zero rows (its lengths say they are unused)."""
+        if self.keys is None and other.keys is None:
+            self.lengths = self.lengths + other.lengths
             return
-        if self.keys is None:
-            B = len(self.lengths)
-            self.keys = mx.zeros((B,) + other.keys.shape[1:], other.keys.dtype)
-            self.values = mx.zeros((B,) + other.values.shape[1:], other.values.dtype)
-        a, b = self.keys.shape[2], other.keys.shape[2]
-        mine, theirs = (self.keys, self.values), (other.keys, other.values)
+        ref = self.keys if self.keys is not None else other.keys
+        ref_v = self.values if self.values is not None else other.values
+
+        def rows(c, x, like):
+            if x is None:
+                return mx.zeros((len(c.lengths),) + like.shape[1:], like.dtype)
+            return x
+
+        mine = (rows(self, self.keys, ref), rows(self, self.values, ref_v))
+        theirs = (rows(other, other.keys, ref), rows(other, other.values, ref_v))
+        a, b = mine[0].shape[2], theirs[0].shape[2]
         if a < b:
             mine = tuple(_pad_time(x, b) for x in mine)
         elif b < a:

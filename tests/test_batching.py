@@ -1,0 +1,124 @@
+"""Continuous batching: every request's greedy output equals the same request run alone,
+whatever else is in the batch, whenever it joins or leaves, with MTP on (ragged
+acceptance) and off."""
+
+import random
+
+import pytest
+from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
+
+
+def run_schedule(eng, schedule, hook_expected=None, cancel_at=None):
+    """schedule: list of (step index to submit at, Request). Returns {id: tokens}, finish reasons."""
+    outs, reasons, step = {}, {}, 0
+    pending = sorted(schedule, key=lambda x: x[0])
+    if hook_expected is not None:
+        eng.draft_hook = oracle_hook(hook_expected, p_correct=0.65, seed=7)
+    while pending or eng.has_work:
+        while pending and pending[0][0] <= step:
+            eng.submit(pending.pop(0)[1])
+        if cancel_at and step in cancel_at:
+            eng.cancel(cancel_at[step])
+        for ev in eng.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason:
+                reasons[ev.request_id] = ev.finish_reason
+        step += 1
+    return outs, reasons
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("n,mtp", [(1, True), (4, True), (16, True), (16, False)])
+def test_concurrent_requests_equal_solo(fixture_model, family, n, mtp):
+    model, tok, ref = loaded(str(fixture_model(family)["hf"]))
+    rng = random.Random(n)
+    schedule, expected = [], {}
+    for i in range(n):
+        prompt = prompt_of(rng.choice([1, 5, 30, 90]), seed=100 + i)
+        max_tokens = rng.choice([8, 25, 60])
+        sampled = i % 5 == 4  # a few sampled rows ride along, exercising per-row paths
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=i) if sampled else SamplingParams()
+        req = Request(prompt=prompt, max_tokens=max_tokens, params=params)
+        if not sampled:
+            expected[req.id] = reference_greedy(ref, prompt, max_tokens)
+        schedule.append((rng.choice([0, 0, 3, 10]), req))
+    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=3 if mtp else None, max_batch=16,
+                         prefill_step=64)
+    outs, reasons = run_schedule(eng, schedule, hook_expected=expected if mtp else None)
+    for rid, want in expected.items():
+        assert outs[rid] == want, rid
+    assert all(r in ("length", "stop") for r in reasons.values())
+    assert eng.cache is None and not eng.rows  # everyone left, slots freed
+
+
+def test_adaptive_depth_batch_equals_solo(fixture_model):
+    model, tok, ref = loaded(str(fixture_model("qwen3_6_moe")["hf"]))
+    schedule, expected = [], {}
+    for i in range(6):
+        prompt = prompt_of(7 + 11 * i, seed=i)
+        req = Request(prompt=prompt, max_tokens=40)
+        expected[req.id] = reference_greedy(ref, prompt, 40)
+        schedule.append((i, req))
+    eng = BatchGenerator(model, tok, enable_mtp=True, max_batch=8)
+    outs, _ = run_schedule(eng, schedule, hook_expected=expected)
+    assert all(outs[r] == w for r, w in expected.items())
+
+
+def test_cancel_mid_flight_leaves_others_unchanged(fixture_model):
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    reqs = [Request(prompt=prompt_of(10 + i, seed=i), max_tokens=50) for i in range(4)]
+    expected = {r.id: reference_greedy(ref, r.prompt, 50) for r in reqs}
+    eng = BatchGenerator(model, tok, num_draft=2)
+    outs, reasons = run_schedule(eng, [(0, r) for r in reqs], hook_expected=expected,
+                                 cancel_at={6: reqs[1].id})
+    assert reasons[reqs[1].id] == "cancelled"
+    assert len(outs[reqs[1].id]) < 50
+    for r in (reqs[0], reqs[2], reqs[3]):
+        assert outs[r.id] == expected[r.id]
+
+
+def test_long_prompt_joining_does_not_change_others(fixture_model):
+    model, tok, ref = loaded(str(fixture_model("qwen3_next")["hf"]))
+    short = [Request(prompt=prompt_of(6, seed=i), max_tokens=60) for i in range(3)]
+    long = Request(prompt=prompt_of(700, seed=99), max_tokens=20)
+    expected = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in short + [long]}
+    eng = BatchGenerator(model, tok, num_draft=2, prefill_step=128)
+    outs, _ = run_schedule(eng, [(0, r) for r in short] + [(4, long)], hook_expected=expected)
+    assert all(outs[r] == w for r, w in expected.items())
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_prefix_cache_hit_equals_miss(fixture_model, mtp):
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    system = prompt_of(80, seed=1)
+    turn1 = system + prompt_of(5, seed=2)
+    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=2, prefix_cache_bytes=256 << 20)
+    miss = Request(prompt=turn1, max_tokens=30)
+    out1, _ = run_schedule(eng, [(0, miss)])
+    # Same prompt again (exact hit), a longer one sharing the prompt (prefix hit), and one
+    # extending the first request's whole conversation (hit on its finished state).
+    convo = turn1 + out1[miss.id][:-1]
+    follow = [Request(prompt=turn1, max_tokens=30), Request(prompt=turn1 + prompt_of(9, seed=3), max_tokens=30),
+              Request(prompt=convo + prompt_of(4, seed=4), max_tokens=30)]
+    outs, _ = run_schedule(eng, [(0, r) for r in follow])
+    assert outs[follow[0].id] == out1[miss.id]
+    for r in follow:
+        assert outs[r.id] == reference_greedy(ref, r.prompt, 30)
+    hits = {r.id: r for r in follow}
+    assert eng.prefix_cache.hits >= 3, eng.prefix_cache.hits
+    assert hits
+
+
+def test_prefix_cache_evicts_under_memory_bound(fixture_model):
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, prefix_cache_bytes=600_000)
+    reqs = [Request(prompt=prompt_of(200, seed=i), max_tokens=4) for i in range(6)]
+    outs, _ = run_schedule(eng, [(i * 3, r) for i, r in enumerate(reqs)])
+    assert eng.prefix_cache.bytes <= 600_000
+    assert 0 < len(eng.prefix_cache.entries) < 12
+    for r in reqs:
+        assert outs[r.id] == reference_greedy(ref, r.prompt, 4)
