@@ -29,7 +29,7 @@ from ..models import gdn_capture
 from . import mlx_lm_adapter as adapter
 from .adaptive import DepthPolicy
 from .prefix_cache import PrefixCache
-from .proposer import draft, head_pass
+from .proposer import Segment, draft, head_pass, pending_array, pending_count
 from .rejection_sampler import accept_greedy, accept_sampled, sample
 from .request import Event, Request, RequestStats
 from .sampling import RowSampler
@@ -51,7 +51,7 @@ class Row:
     generated: int = 0
     text: str = ""
     sent: int = 0  # characters of text already emitted
-    pend_h: Optional[mx.array] = None  # [n, H] pending head inputs
+    pend: List[Segment] = field(default_factory=list)  # pending head inputs (hidden states)
     pend_t: List[int] = field(default_factory=list)
     # prefill-only state (B=1) until the row joins the batch
     cache: Optional[list] = None
@@ -172,7 +172,8 @@ class BatchGenerator:
             logits = self._prefill_tokens(row, prompt[-1:])
             row.done_prompt = len(prompt)
             row.last_logits = logits[0, -1]
-            self.prefix_cache.store(prompt, row.cache, row.head_cache, row.pend_h, row.pend_t, row.last_logits)
+            self.prefix_cache.store(prompt, row.cache, row.head_cache, pending_array(row.pend), row.pend_t,
+                                    row.last_logits)
         self.waiting.popleft()
         row.stats.prefill_seconds = time.perf_counter() - row.t0
         # The first token comes from the prompt's last logits, as in plain decoding.
@@ -189,7 +190,8 @@ class BatchGenerator:
         if entry is not None and (self.head is None) == (entry.head_cache is None):
             row.cache = adapter.copy_cache(entry.cache)
             row.head_cache = adapter.copy_cache(entry.head_cache) if entry.head_cache is not None else None
-            row.pend_h, row.pend_t = entry.pend_h, list(entry.pend_t)
+            row.pend = [] if entry.pend_h is None else [(entry.pend_h, None, entry.pend_h.shape[0])]
+            row.pend_t = list(entry.pend_t)
             row.done_prompt = len(entry.tokens)
             row.last_logits = entry.last_logits
             row.stats.cached_prompt_tokens = len(entry.tokens)
@@ -202,18 +204,17 @@ class BatchGenerator:
         if self.head is not None:
             # Pair each new hidden with the token after it; absorb every complete pair.
             done = row.done_prompt
-            nh = 0 if row.pend_h is None else row.pend_h.shape[0]
-            h = hidden[0]
-            row.pend_h = h if row.pend_h is None else mx.concatenate([row.pend_h, h])
+            nh = pending_count(row.pend)
+            row.pend.append((hidden[0], None, len(tokens)))
             # Pending hiddens cover positions [done - nh, done + len(tokens)); each pairs
             # with the prompt token after it, where the prompt has one.
             row.pend_t = row.req.prompt[done - nh + 1 : done + len(tokens) + 1]
             n = len(row.pend_t)
             if n:
-                head_pass(self.head, self.parts, row.head_cache, [row.pend_h], [row.pend_t], [n])
-                row.pend_h, row.pend_t = row.pend_h[n:], []
+                _, rest = head_pass(self.head, self.parts, row.head_cache, [row.pend], [row.pend_t], [n])
+                row.pend, row.pend_t = rest[0], []
         mx.eval(logits, *_cache_arrays(row.cache), *(_cache_arrays(row.head_cache) if row.head_cache else []),
-                *([row.pend_h] if row.pend_h is not None else []))
+                *[a for a, _, _ in row.pend])
         return logits
 
     def _join_batch(self, row: Row) -> None:
@@ -246,8 +247,8 @@ class BatchGenerator:
         # capping by the row with the most room keeps one finishing row from stalling MTP.
         limit = max(r.req.max_tokens - r.generated - 1 for r in self.rows)
         pinned = [r.req.num_draft for r in self.rows if r.req.num_draft is not None]
-        if pinned:
-            limit = min(limit, min(pinned))
+        if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
+            return max(0, min(min(pinned), limit, self.policy.max_depth if self.policy.fixed is None else 8))
         return self.policy.choose(len(self.rows), limit)
 
     def _decode_cycle(self, events: List[Event]) -> None:
@@ -257,7 +258,7 @@ class BatchGenerator:
         ys = mx.array([r.y for r in rows], dtype=mx.int32)[:, None]
         q_rows: List[Optional[mx.array]] = [None] * B
         if k > 0:
-            drafts, q_rows = draft(self.head, self.parts, self.head_cache, [r.pend_h for r in rows],
+            drafts, q_rows = draft(self.head, self.parts, self.head_cache, [r.pend for r in rows],
                                    [r.pend_t for r in rows], k, self._picker(rows))
             if self.draft_hook is not None:
                 drafts = self.draft_hook(rows, drafts)
@@ -289,9 +290,13 @@ class BatchGenerator:
                 for c in self.head_cache:
                     c.trim_rows([k - 1] * B)
             for b, row in enumerate(rows):
-                new_h = hidden[b, : consumed[b]]
-                row.pend_h = new_h if (k > 0 or row.pend_h is None) else mx.concatenate([row.pend_h, new_h])
-                row.pend_t = (tok_l[b][: consumed[b]]) if k > 0 else row.pend_t + tok_l[b][: consumed[b]]
+                # The verify's hidden states paired with the tokens emitted after them.
+                seg = (hidden, b, consumed[b])
+                if k > 0:
+                    row.pend, row.pend_t = [seg], tok_l[b][: consumed[b]]
+                else:
+                    row.pend.append(seg)
+                    row.pend_t = row.pend_t + tok_l[b][: consumed[b]]
             if k == 0 and max(len(r.pend_t) for r in rows) > ABSORB_AFTER:
                 self._absorb()
         for row in rows:
@@ -312,10 +317,10 @@ class BatchGenerator:
         counts = [len(r.pend_t) - 1 for r in self.rows]
         if max(counts) <= 0:
             return
-        head_pass(self.head, self.parts, self.head_cache, [r.pend_h for r in self.rows],
-                  [r.pend_t for r in self.rows], counts)
-        for r, n in zip(self.rows, counts):
-            r.pend_h, r.pend_t = r.pend_h[n:], r.pend_t[n:]
+        _, rest = head_pass(self.head, self.parts, self.head_cache, [r.pend for r in self.rows],
+                            [r.pend_t for r in self.rows], counts)
+        for r, n, left in zip(self.rows, counts, rest):
+            r.pend, r.pend_t = left, r.pend_t[n:]
 
     def _store_finished(self, b: int) -> None:
         # The state covers every token but the last one emitted (never fed, as in plain decoding).
@@ -326,8 +331,8 @@ class BatchGenerator:
         # prompts; give it the distribution that produced the final token is not needed then.
         toks = row.tokens[:-1]
         pend_t = row.pend_t[:-1] if self.head is not None else []
-        pend_h = row.pend_h if self.head is not None else None
-        if self.head is not None and pend_h is not None:
+        pend_h = pending_array(row.pend) if self.head is not None else None
+        if pend_h is not None:
             pend_h = pend_h[: len(pend_t) + 1]
         self.prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, _NO_LOGITS)
 
@@ -406,7 +411,7 @@ class BatchGenerator:
         else:
             tok = sample(row.sampler.logprobs(lg), row.sampler.next_key())
         if row.req.logprobs is not None:
-            row.first_lp = _token_logprobs(lg, tok[None])[0].item()
+            row.first_lp = _token_logprobs(lg, tok)[0].item()
         return int(tok.item())
 
     # ---------------------------------------------------------------- output

@@ -17,31 +17,78 @@ import mlx.core as mx
 from ..models.family import TextParts
 from ..models.mtp_head import MTPHead
 
+# A row's pending hidden states are kept as segments (array, row, n): the first n
+# positions of array[row] ([B, T, H] from a batched forward) or of array itself when
+# row is None ([T, H]). Appending one costs no MLX op; slicing happens only when the
+# head consumes them, and when every row's inputs are the previous forward's own rows
+# the head takes that batch array as it is.
+Segment = Tuple[mx.array, Optional[int], int]
 
-def head_pass(head: MTPHead, parts: TextParts, head_cache: list, pend_h: Sequence[mx.array],
-              pend_t: Sequence[List[int]], counts: Sequence[int]) -> mx.array:
-    """Consume the first counts[b] pending pairs of every row; returns h' [B, P, H].
 
-    Rows are right-padded to P = max(counts); the padding lands after each row's real
-    entries (the causal mask hides it) and is trimmed from the head cache right after.
+def pending_count(segs: Sequence[Segment]) -> int:
+    return sum(n for _, _, n in segs)
+
+
+def pending_array(segs: Sequence[Segment]) -> Optional[mx.array]:
+    parts = [a[b, :n] if b is not None else a[:n] for a, b, n in segs]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]:
+    """The [B, P, H] head input, free, when every row's pending is row b of one array."""
+    if not pend or any(len(segs) != 1 for segs in pend):
+        return None
+    arr = pend[0][0][0]
+    B = len(pend)
+    if arr.ndim != 3 or arr.shape[0] != B or arr.shape[1] < P:
+        return None
+    if any(segs[0][0] is not arr or segs[0][1] != b for b, segs in enumerate(pend)):
+        return None
+    return arr[:, :P]
+
+
+def head_pass(head: MTPHead, parts: TextParts, head_cache: list, pend: Sequence[Sequence[Segment]],
+              pend_t: Sequence[List[int]], counts: Sequence[int]) -> Tuple[mx.array, List[List[Segment]]]:
+    """Consume the first counts[b] pending pairs of every row.
+
+    Returns (h' [B, P, H], what is left pending per row). Rows are right-padded to
+    P = max(counts); the padding lands after each row's real entries (the causal mask
+    hides it) and is trimmed from the head cache right after.
     """
     P = max(counts)
     H = parts.args.hidden_size
-    toks, hids = [], []
-    for h, t, n in zip(pend_h, pend_t, counts):
-        toks.append(list(t[:n]) + [0] * (P - n))
-        rows = h[:n] if n else mx.zeros((0, H), dtype=h.dtype)
-        if n < P:
-            rows = mx.concatenate([rows, mx.zeros((P - n, H), dtype=rows.dtype)])
-        hids.append(rows)
+    toks = [list(t[:n]) + [0] * (P - n) for t, n in zip(pend_t, counts)]
+    hid = _batch_view(pend, P)
+    rest: List[List[Segment]] = []
+    if hid is None:
+        rows = []
+        for segs, n in zip(pend, counts):
+            h = pending_array(segs)
+            if h is None:
+                h = mx.zeros((0, H), dtype=mx.float32)
+            left = pending_count(segs) - n
+            rest.append([(h[n:], None, left)] if left > 0 else [])
+            h = h[:n]
+            if n < P:
+                h = mx.concatenate([h, mx.zeros((P - n, H), dtype=h.dtype)])
+            rows.append(h)
+        hid = mx.stack(rows)
+    else:
+        rest = [[] for _ in pend]
+        for b, (segs, n) in enumerate(zip(pend, counts)):
+            arr, _, total = segs[0]
+            if total > n:
+                rest[b] = [(arr[b, n:total], None, total - n)]
     emb = parts.embed_tokens(mx.array(toks))
-    out = head(emb, mx.stack(hids), head_cache)
+    out = head(emb, hid.astype(emb.dtype) if hid.dtype != emb.dtype else hid, head_cache)
     for c in head_cache:
         c.trim_rows([P - n for n in counts])
-    return out
+    return out, rest
 
 
-def draft(head: MTPHead, parts: TextParts, head_cache: list, pend_h: Sequence[mx.array],
+def draft(head: MTPHead, parts: TextParts, head_cache: list, pend: Sequence[Sequence[Segment]],
           pend_t: Sequence[List[int]], k: int, pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
     """Chain k drafts per row from all pending pairs.
 
@@ -50,7 +97,7 @@ def draft(head: MTPHead, parts: TextParts, head_cache: list, pend_h: Sequence[mx
     Returns drafts [B, k] and per row the q log-probabilities [k, V] (None when greedy).
     """
     counts = [len(t) for t in pend_t]
-    g = head_pass(head, parts, head_cache, pend_h, pend_t, counts)
+    g, _ = head_pass(head, parts, head_cache, pend, pend_t, counts)
     B = g.shape[0]
     g = g[mx.arange(B), mx.array(counts) - 1][:, None, :]  # each row's last real position
     drafts: List[mx.array] = []

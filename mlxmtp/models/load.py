@@ -154,6 +154,8 @@ def build_head(parts: TextParts, weights: Dict[str, mx.array], info: dict,
         )
     head.load_weights(list(weights.items()), strict=True)
     head.eval()
+    # Materialise now: MLX streams are per thread, and a server evaluates on its engine thread.
+    mx.eval(head.parameters())
     return head
 
 

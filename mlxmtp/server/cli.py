@@ -1,9 +1,65 @@
-"""`mlxmtp serve` (being implemented: see issue "mlxmtp serve")."""
+"""`mlxmtp serve`: load a model (the packaged demo model by default) and serve it."""
+
+from __future__ import annotations
+
+import logging
 
 import click
 
+log = logging.getLogger("mlxmtp.server")
+
 
 @click.command()
-def serve():
-    """OpenAI- and Anthropic-compatible server."""
-    raise click.ClickException("not implemented yet")
+@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the packaged demo model).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (local only by default).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--enable-mtp/--disable-mtp", default=None,
+              help="Require the MTP head (error if missing, unless --mtp-fallback) / never use it. "
+                   "Default: use the head when the model has one.")
+@click.option("--num-draft", default=None, type=click.IntRange(0, 8), help="Pin the draft depth (default: adaptive).")
+@click.option("--mtp-fallback", is_flag=True, help="With --enable-mtp: serve without MTP if the model has no head.")
+@click.option("--max-concurrent", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Requests decoded together; more wait in the queue.")
+@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
+              help="Reject longer prompts with 413.")
+@click.option("--prefix-cache-mb", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
+@click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
+              help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health.")
+@click.option("--alias", "aliases", multiple=True,
+              help="Extra model name clients may send (repeatable; '*' accepts any name, e.g. for Claude Code).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
+def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens,
+          prefix_cache_mb, api_key, aliases, log_level):
+    """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
+    from ..models.load import MTPLoadError, load
+
+    logging.getLogger("mlxmtp").setLevel(log_level.upper())
+    want_mtp = enable_mtp is not False
+    # Without an explicit --enable-mtp a headless model simply runs without MTP.
+    fallback = mtp_fallback or enable_mtp is None
+    try:
+        m, tok = load(model, mtp=want_mtp, mtp_fallback=fallback)
+    except MTPLoadError as e:
+        raise click.ClickException(str(e)) from e
+    name = model or "mlxmtp-demo"
+    att = m.mtp
+    log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
+    if att.active:
+        log.info("MTP head: active (%s, %d layer(s)); draft depth %s", att.source.location if att.source else "?",
+                 max(1, att.info.get("num_layers", 1)), num_draft if num_draft is not None else "adaptive")
+    else:
+        log.info("MTP head: inactive (%s)", att.disabled_reason or "not requested")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
+
+    from .app import create_app
+
+    app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
+                     max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
+                     aliases=aliases)
+    import uvicorn
+
+    log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

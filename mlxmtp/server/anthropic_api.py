@@ -1,0 +1,172 @@
+"""Anthropic-compatible endpoint: POST /v1/messages (what Claude Code speaks)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import AsyncIterator, List, Optional
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..engine.request import Request
+from .chat import anthropic_messages, anthropic_tools, render
+from .errors import APIError, field, parse_json_body, string_list
+from .generation import Generation, finish_error, num_draft, sampling_params
+from .openai_api import SSE_HEADERS, _collect, _guarded
+from .reasoning import OutputSplitter
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _stop_reason(gen: Generation) -> str:
+    if gen.finish_reason == "length":
+        return "max_tokens"
+    if gen.tool_calls():
+        return "tool_use"
+    if gen.stop_sequence() is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _usage(gen: Generation) -> dict:
+    return {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
+            "cache_read_input_tokens": gen.stats.cached_prompt_tokens if gen.stats else 0,
+            "mtp": gen.mtp_usage()}
+
+
+def _tool_id() -> str:
+    return "toolu_" + uuid.uuid4().hex[:24]
+
+
+def _thinking_flag(body: dict) -> Optional[bool]:
+    thinking = field(body, "thinking", dict)
+    if thinking is None:
+        return None  # the template's default
+    kind = thinking.get("type")
+    if kind in ("enabled", "adaptive"):
+        return True
+    if kind == "disabled":
+        return False
+    raise APIError(400, "thinking.type: must be 'enabled', 'adaptive' or 'disabled'")
+
+
+async def messages(request: HTTPRequest):
+    state = request.app.state.server
+    body = parse_json_body(await request.body())
+    model = field(body, "model", str, required=True)
+    if not state.knows_model(model):
+        raise APIError(404, f"model: {model} (this server serves '{state.model_id}')")
+    max_tokens = field(body, "max_tokens", int, required=True, minimum=1)
+    if "messages" not in body:
+        raise APIError(400, "messages: field required")
+    msgs = anthropic_messages(body.get("system"), body["messages"])
+    tools = anthropic_tools(body.get("tools"))
+    choice = field(body, "tool_choice", dict)
+    if choice is not None and choice.get("type") == "none":
+        tools = None
+    thinking = _thinking_flag(body)
+    stop = string_list(body, "stop_sequences")
+    stream = field(body, "stream", bool, default=False)
+    params = sampling_params(body, anthropic=True)
+    ids, _, in_think = render(state.tok, msgs, tools, thinking)
+    req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, num_draft=num_draft(body))
+    gen = Generation(state, req, splitter=OutputSplitter(in_thinking=in_think, parse_tools=bool(tools), tools=tools),
+                     body=body)
+    gen.start()
+    mid = "msg_" + uuid.uuid4().hex[:24]
+    if stream:
+        return StreamingResponse(_guarded(gen, _stream(gen, mid, state.model_id)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    await _collect(gen, request)
+    if gen.error:
+        raise finish_error(gen)
+    content: List[dict] = []
+    for kind, value in gen.pieces:
+        if kind == "reasoning":
+            content.append({"type": "thinking", "thinking": value, "signature": ""})
+        elif kind == "content":
+            content.append({"type": "text", "text": value})
+        else:
+            content.append({"type": "tool_use", "id": _tool_id(), "name": value["name"], "input": value["arguments"]})
+    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": state.model_id,
+                         "content": _merge_blocks(content), "stop_reason": _stop_reason(gen),
+                         "stop_sequence": gen.stop_sequence(), "usage": _usage(gen)})
+
+
+async def count_tokens(request: HTTPRequest):
+    """POST /v1/messages/count_tokens (Claude Code calls it): the rendered prompt's length."""
+    state = request.app.state.server
+    body = parse_json_body(await request.body())
+    model = field(body, "model", str, required=True)
+    if not state.knows_model(model):
+        raise APIError(404, f"model: {model} (this server serves '{state.model_id}')")
+    if "messages" not in body:
+        raise APIError(400, "messages: field required")
+    msgs = anthropic_messages(body.get("system"), body["messages"])
+    ids, _, _ = render(state.tok, msgs, anthropic_tools(body.get("tools")), _thinking_flag(body))
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+def _merge_blocks(blocks: List[dict]) -> List[dict]:
+    out: List[dict] = []
+    for b in blocks:
+        if out and b["type"] == out[-1]["type"] == "text":
+            out[-1]["text"] += b["text"]
+        elif out and b["type"] == out[-1]["type"] == "thinking":
+            out[-1]["thinking"] += b["thinking"]
+        else:
+            out.append(b)
+    return out
+
+
+async def _stream(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
+    yield _event("message_start", {"type": "message_start", "message": {
+        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}})
+    yield _event("ping", {"type": "ping"})
+    index, open_kind = -1, None
+
+    def close():
+        return _event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+    async for pieces, ev in gen.updates():
+        for kind, value in pieces:
+            if kind == "tool_call":
+                if open_kind is not None:
+                    yield close()
+                index += 1
+                yield _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
+                    "type": "tool_use", "id": _tool_id(), "name": value["name"], "input": {}}})
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(value["arguments"], ensure_ascii=False)}})
+                yield close()
+                open_kind = None
+                continue
+            if kind != open_kind:
+                if open_kind is not None:
+                    yield close()
+                index += 1
+                open_kind = kind
+                block = {"type": "text", "text": ""} if kind == "content" else \
+                    {"type": "thinking", "thinking": "", "signature": ""}
+                yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                     "content_block": block})
+            delta = {"type": "text_delta", "text": value} if kind == "content" else \
+                {"type": "thinking_delta", "thinking": value}
+            yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+        if ev.finish_reason is not None:
+            if open_kind is not None:
+                yield close()
+                open_kind = None
+            if gen.error:
+                yield _event("error", {"type": "error", "error": {"type": "api_error", "message": gen.error}})
+                return
+            yield _event("message_delta", {"type": "message_delta",
+                                           "delta": {"stop_reason": _stop_reason(gen),
+                                                     "stop_sequence": gen.stop_sequence()},
+                                           "usage": {"output_tokens": gen.completion_tokens, "mtp": gen.mtp_usage()}})
+            yield _event("message_stop", {"type": "message_stop"})

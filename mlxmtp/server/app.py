@@ -1,0 +1,168 @@
+"""The Starlette app: routes, auth, errors in each API's shape, metrics, engine lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine.batch import BatchGenerator
+from . import anthropic_api, openai_api
+from .engine_thread import EngineBridge
+from .errors import APIError, error_response, is_anthropic_path
+from .metrics import Metrics
+
+log = logging.getLogger("mlxmtp.server")
+
+
+@dataclass
+class ServerState:
+    tok: object
+    model_id: str
+    bridge: EngineBridge
+    metrics: Metrics
+    eos_ids: set
+    mtp_active: bool
+    mtp_disabled_reason: Optional[str]
+    max_prompt_tokens: Optional[int] = None
+    aliases: set = field(default_factory=set)
+    request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def knows_model(self, name: str) -> bool:
+        # Agents often send a name of their own; "*" in --alias accepts any.
+        return name == self.model_id or name in self.aliases or "*" in self.aliases
+
+
+def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool = True,
+               num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
+               prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
+               request_hook: Optional[Callable] = None) -> Starlette:
+    att = getattr(model, "mtp", None)
+    _materialize(model)
+    mtp_active = bool(enable_mtp and att is not None and att.active)
+    reason = None if mtp_active else (att.disabled_reason if att is not None and att.disabled_reason
+                                      else "disabled by the server options" if att is not None else "no MTP head")
+    metrics = Metrics()
+
+    def make_engine():
+        return BatchGenerator(model, tok, enable_mtp=mtp_active, num_draft=num_draft, max_batch=max_concurrent,
+                            prefix_cache_bytes=int(prefix_cache_mb) * 2**20)
+
+    bridge = EngineBridge(make_engine, metrics)
+    model_id = model_id or "mlxmtp-demo"
+    names = set(aliases)
+    if "/" in model_id or Path(model_id).name != model_id:
+        names.add(Path(model_id).name)  # a local path also answers to its folder name
+    state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
+                        mtp_active=mtp_active, mtp_disabled_reason=reason, max_prompt_tokens=max_prompt_tokens,
+                        aliases=names, request_hook=request_hook)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        bridge.start()
+        try:
+            yield
+        finally:
+            bridge.stop()
+
+    async def health(request: HTTPRequest):
+        return JSONResponse({"status": "ok", "model": state.model_id, "mtp_active": state.mtp_active,
+                             "active": bridge.num_active, "waiting": bridge.num_waiting,
+                             "engine_restarts": bridge.restarts})
+
+    async def metrics_endpoint(request: HTTPRequest):
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/v1/models", openai_api.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", openai_api.get_model, methods=["GET"]),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
+    ]
+
+    async def api_error(request: HTTPRequest, exc: APIError):
+        return error_response(exc, request.url.path)
+
+    async def http_error(request: HTTPRequest, exc: HTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
+
+    async def server_error(request: HTTPRequest, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.state.server = state
+    return _Outer(app, state, api_key)
+
+
+def _materialize(model) -> None:
+    """Evaluate every weight here, so no lazy graph recorded on this thread's MLX stream
+    reaches the engine thread (streams are per thread)."""
+    import mlx.core as mx
+
+    arrays = [model.parameters()]
+    att = getattr(model, "mtp", None)
+    if att is not None and att.head is not None:
+        arrays.append(att.head.parameters())
+    mx.eval(arrays)
+
+
+class _Outer:
+    """Pure ASGI wrapper (not BaseHTTPMiddleware, which breaks streaming disconnects):
+    API-key check and per-endpoint request counting."""
+
+    def __init__(self, app: Starlette, state: ServerState, api_key: Optional[str]):
+        self.app = app
+        self.state = app.state  # tests and tools reach the ServerState as app.state.server
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path != "/health" and not self._authorized(scope):
+                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                               code="invalid_api_key")
+                await error_response(err, path)(scope, receive, send_wrapper)
+                return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            endpoint = path if path in _ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+            self.state.server.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    def _authorized(self, scope) -> bool:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-api-key")
+        auth = headers.get("authorization", "")
+        if given is None and auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
+
+
+_ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
+              "/v1/messages/count_tokens"}
+__all__ = ["create_app", "ServerState", "is_anthropic_path"]

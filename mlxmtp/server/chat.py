@@ -1,0 +1,247 @@
+"""Request messages -> the chat template's messages -> prompt token ids.
+
+Both APIs are converted to the OpenAI-style message list Qwen templates expect:
+`system` / `user` / `assistant` (with `reasoning_content` and `tool_calls` whose
+arguments are dicts: Qwen3.5's template iterates `arguments|items`) and `tool`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import APIError
+from .reasoning import starts_in_thinking
+
+Message = Dict[str, Any]
+
+
+# ------------------------------------------------------------------ OpenAI
+def _text_of(content: Any, where: str) -> str:
+    """OpenAI content: a string, null, or a list of parts (text only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}: a text part needs a string 'text'", param="messages")
+                texts.append(part["text"])
+            elif isinstance(part, dict):
+                raise APIError(400, f"{where}: content parts of type {part.get('type')!r} are not supported "
+                                    "(text only)", param="messages")
+            else:
+                raise APIError(400, f"{where}: invalid content part", param="messages")
+        return "".join(texts)
+    raise APIError(400, f"{where}: 'content' must be a string or an array of parts", param="messages")
+
+
+def _arguments(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return args
+        return parsed if isinstance(parsed, dict) else args
+    return args if args is not None else {}
+
+
+def openai_messages(messages: Any) -> List[Message]:
+    if not isinstance(messages, list):
+        raise APIError(400, "'messages' must be an array", param="messages")
+    if not messages:
+        raise APIError(400, "'messages' must not be empty", param="messages")
+    out: List[Message] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(400, f"{where} must be an object", param="messages")
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"{where}: invalid role {role!r}", param="messages")
+        msg: Message = {"role": role, "content": _text_of(m.get("content"), where)}
+        if role == "assistant":
+            if isinstance(m.get("reasoning_content"), str):
+                msg["reasoning_content"] = m["reasoning_content"]
+            calls = m.get("tool_calls")
+            if calls:
+                if not isinstance(calls, list):
+                    raise APIError(400, f"{where}: 'tool_calls' must be an array", param="messages")
+                msg["tool_calls"] = []
+                for c in calls:
+                    fn = c.get("function") if isinstance(c, dict) else None
+                    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                        raise APIError(400, f"{where}: each tool call needs function.name", param="messages")
+                    msg["tool_calls"].append({"id": c.get("id"), "type": "function", "function": {
+                        "name": fn["name"], "arguments": _arguments(fn.get("arguments"))}})
+        if role == "tool":
+            if m.get("tool_call_id") is not None:
+                msg["tool_call_id"] = m["tool_call_id"]
+            if m.get("name") is not None:
+                msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def openai_tools(tools: Any) -> Optional[List[dict]]:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "'tools' must be an array", param="tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                           param="tools")
+    return tools or None
+
+
+# ------------------------------------------------------------------ Anthropic
+def _blocks(content: Any, where: str) -> List[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list) and all(isinstance(b, dict) for b in content):
+        return content
+    raise APIError(400, f"{where}: 'content' must be a string or an array of content blocks")
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for b in _blocks(content, where):
+        if b.get("type") == "text":
+            texts.append(str(b.get("text", "")))
+        else:
+            raise APIError(400, f"{where}: tool_result blocks of type {b.get('type')!r} are not supported")
+    return "\n".join(texts)
+
+
+def anthropic_system(system: Any) -> Optional[str]:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system
+    return "\n".join(str(b.get("text", "")) for b in _blocks(system, "system") if b.get("type") == "text")
+
+
+def anthropic_messages(system: Any, messages: Any) -> List[Message]:
+    if not isinstance(messages, list):
+        raise APIError(400, "messages: must be an array")
+    if not messages:
+        raise APIError(400, "messages: at least one message is required")
+    out: List[Message] = []
+    sys_text = anthropic_system(system)
+    if sys_text:
+        out.append({"role": "system", "content": sys_text})
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise APIError(400, f"{where}: must be an object")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise APIError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+        blocks = _blocks(m.get("content"), where)
+        if role == "user":
+            texts = []
+            for b in blocks:
+                kind = b.get("type")
+                if kind == "text":
+                    texts.append(str(b.get("text", "")))
+                elif kind == "tool_result":
+                    # Tool results become `tool` messages, which the template groups into
+                    # one <tool_response> user turn.
+                    text = _tool_result_text(b.get("content"), where)
+                    if b.get("is_error"):
+                        text = "Error: " + text
+                    out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
+                else:
+                    raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
+            if texts or not any(b.get("type") == "tool_result" for b in blocks):
+                out.append({"role": "user", "content": "".join(texts)})
+        else:
+            msg: Message = {"role": "assistant", "content": ""}
+            texts, calls, thinking = [], [], []
+            for b in blocks:
+                kind = b.get("type")
+                if kind == "text":
+                    texts.append(str(b.get("text", "")))
+                elif kind == "thinking":
+                    thinking.append(str(b.get("thinking", "")))
+                elif kind == "redacted_thinking":
+                    continue
+                elif kind == "tool_use":
+                    if not isinstance(b.get("name"), str):
+                        raise APIError(400, f"{where}: tool_use blocks need a 'name'")
+                    calls.append({"id": b.get("id"), "type": "function",
+                                  "function": {"name": b["name"], "arguments": b.get("input") or {}}})
+                else:
+                    raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
+            msg["content"] = "".join(texts)
+            if thinking:
+                msg["reasoning_content"] = "\n".join(thinking)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def anthropic_tools(tools: Any) -> Optional[List[dict]]:
+    """Anthropic tools -> OpenAI-style function tools (what Qwen templates render)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(400, "tools: must be an array")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise APIError(400, f"tools.{i}: each tool needs a 'name'")
+        if "input_schema" not in t:
+            continue  # server tools (web_search, ...) are not ours to run
+        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+# ------------------------------------------------------------------ rendering
+def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
+           enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None) -> Tuple[List[int], str, bool]:
+    """-> (prompt ids, prompt text, whether generation starts inside <think>)."""
+    if getattr(tok, "chat_template", None) is None:
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+    kwargs = dict(template_kwargs or {})
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
+    try:
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja raise_exception etc. mean a bad conversation
+        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
+    ids = tok.encode(text, add_special_tokens=False)
+    return ids, text, starts_in_thinking(text)
+
+
+def encode_prompt(tok, prompt: Any) -> Tuple[List[int], str]:
+    """/v1/completions prompt: a string, a one-string array, or token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "'prompt' must not be empty", param="prompt")
+        return tok.encode(prompt, add_special_tokens=False), prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt), tok.decode(prompt)
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "'prompt' must not be empty", param="prompt")
+    raise APIError(400, "'prompt' must be a string, an array with one string, or an array of token ids",
+                   param="prompt")

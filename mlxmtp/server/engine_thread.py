@@ -1,0 +1,170 @@
+"""The async bridge: one engine thread, per-request asyncio queues.
+
+`BatchGenerator` is single-threaded (only `submit` / `cancel` are thread-safe), so one
+daemon thread owns it and loops `step()`; each event goes to its request's asyncio
+queue through `loop.call_soon_threadsafe`. When there is no work the thread sleeps on
+a threading.Event that `submit` sets.
+
+If `step()` raises, the requests the failed step was working on (the decoding batch
+and a prefill in progress) get an error event, the engine is rebuilt (its caches may
+be half-updated) and requests that had not started yet are resubmitted to it: one bad
+step never takes the server down.
+
+MLX streams are per thread: a graph recorded on one thread's stream cannot be evaluated
+on another ("There is no Stream(cpu, 0) in current thread"). So the engine is built on
+the engine thread, and `create_app` evaluates the weights (including the MTP head's,
+which `mx.load` leaves lazy) before any thread touches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable, Dict, Optional, Tuple
+
+from ..engine.batch import BatchGenerator
+from ..engine.request import Event, Request
+
+log = logging.getLogger("mlxmtp.server")
+
+
+class EngineBridge:
+    def __init__(self, make_engine: Callable[[], BatchGenerator], metrics=None):
+        self._make_engine = make_engine
+        self.engine: Optional[BatchGenerator] = None  # built on the engine thread
+        self._ready = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self.metrics = metrics
+        self._queues: Dict[int, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._requests: Dict[int, Request] = {}
+        self._lock = threading.Lock()  # guards _queues/_requests and engine swaps vs submit
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ any thread
+    def start(self, timeout: float = 120.0) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._main, name="mlxmtp-engine", daemon=True)
+            self._thread.start()
+            if not self._ready.wait(timeout):
+                raise RuntimeError("the engine thread did not start")
+            if self._start_error is not None:
+                raise RuntimeError(f"could not build the engine: {self._start_error}") from self._start_error
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Queue a request from the event loop; raises ValueError on bad input."""
+        if self.engine is None:
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.submit(req)
+            self._queues[req.id] = (loop, q)
+            self._requests[req.id] = req
+        self._wake.set()
+        return q
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            if request_id in self._queues and self.engine is not None:
+                self.engine.cancel(request_id)
+        self._wake.set()
+
+    @property
+    def num_active(self) -> int:
+        return self.engine.num_active if self.engine is not None else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting if self.engine is not None else 0
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not finished (server side view)."""
+        with self._lock:
+            return len(self._queues)
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        try:
+            self.engine = self._make_engine()
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._run()
+
+    def _run(self) -> None:
+        while not self._stop:
+            eng = self.engine
+            # Clear before checking: a submit after the check sets it again, so no lost wake-up.
+            self._wake.clear()
+            if not eng.has_work:
+                self._wake.wait(timeout=1.0)
+                continue
+            cycles = eng.cycles
+            try:
+                events = eng.step()
+            except Exception as e:  # noqa: BLE001 - any failure must not kill the thread
+                log.exception("engine step failed")
+                if self.metrics is not None:
+                    self.metrics.engine_errors.inc()
+                self._recover(eng, e)
+                continue
+            for ev in events:
+                self._dispatch(ev)
+            if self.metrics is not None:
+                try:
+                    self.metrics.on_step(eng, eng.cycles != cycles)
+                except Exception:  # noqa: BLE001 - metrics must never stop generation
+                    log.exception("metrics update failed")
+
+    def _dispatch(self, ev: Event) -> None:
+        with self._lock:
+            if ev.finish_reason is not None:
+                entry = self._queues.pop(ev.request_id, None)
+                self._requests.pop(ev.request_id, None)
+            else:
+                entry = self._queues.get(ev.request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass
+
+    def _recover(self, eng: BatchGenerator, exc: Exception) -> None:
+        # The step may have failed half-way through moving a row (e.g. a prefill that had
+        # just left `waiting`), so "touched" is everything except what provably had not
+        # started: still in the inbox, or waiting with no prefill state yet.
+        untouched = {r.req.id for r in eng.waiting if r.cache is None}
+        untouched |= {req.id for req in list(getattr(eng, "_inbox", ()))}
+        cancelled = set(getattr(eng, "_cancel", ()))
+        with self._lock:
+            try:
+                self.engine = self._make_engine()
+            except Exception:  # noqa: BLE001
+                log.exception("could not rebuild the engine")
+                untouched = set()
+            self.restarts += 1
+            keep = [r for rid, r in self._requests.items() if rid in untouched and rid not in cancelled]
+            failed = [rid for rid in self._requests if rid not in {r.id for r in keep}]
+            for req in keep:
+                self.engine.submit(req)
+        msg = f"generation failed: {type(exc).__name__}: {exc}"
+        for rid in failed:
+            self._dispatch(Event(rid, [], "", "error", error=msg))
+        log.warning("engine rebuilt after an error; failed %d request(s), resubmitted %d", len(failed), len(keep))

@@ -1,0 +1,171 @@
+"""What both APIs share: sampling fields -> Request, and one request's run through the
+engine bridge with its output split into content / reasoning / tool calls."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, List, Optional, Tuple
+
+from ..engine.request import Event, Request
+from ..engine.sampling import SamplingParams
+from .errors import APIError, field
+from .reasoning import OutputSplitter, Piece
+
+DEFAULT_MAX_TOKENS = 4096
+
+
+def sampling_params(body: dict, *, anthropic: bool = False) -> SamplingParams:
+    """Sampling fields common to the APIs (extras like top_k/min_p as vLLM accepts them)."""
+    temperature = field(body, "temperature", float, default=0.0, minimum=0.0)
+    top_p = field(body, "top_p", float, default=1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0)
+    top_k = field(body, "top_k", int, default=0, minimum=-1)
+    min_p = field(body, "min_p", float, default=0.0, minimum=0.0, maximum=1.0)
+    seed = field(body, "seed", int)
+    rep = field(body, "repetition_penalty", float, minimum=0.0, exclusive_minimum=True)
+    pres = freq = bias = None
+    if not anthropic:
+        pres = field(body, "presence_penalty", float, minimum=-2.0, maximum=2.0)
+        freq = field(body, "frequency_penalty", float, minimum=-2.0, maximum=2.0)
+        raw_bias = field(body, "logit_bias", dict)
+        if raw_bias:
+            try:
+                bias = {int(k): float(v) for k, v in raw_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias") from e
+    return SamplingParams(
+        temperature=float(temperature), top_p=float(top_p), top_k=max(0, top_k), min_p=float(min_p),
+        repetition_penalty=rep, presence_penalty=pres or None, frequency_penalty=freq or None,
+        logit_bias=bias, seed=seed,
+    )
+
+
+def num_draft(body: dict) -> Optional[int]:
+    """Non-standard `num_draft`: pin this request's MTP depth (0 = no drafting)."""
+    return field(body, "num_draft", int, minimum=0, maximum=16)
+
+
+class Generation:
+    """One request in flight. Iterate it for (pieces, event) updates; afterwards its
+    fields hold the totals. Leaving the iteration early (client gone) cancels it."""
+
+    def __init__(self, state, req: Request, *, splitter: Optional[OutputSplitter], body: dict):
+        self.state = state
+        self.req = req
+        self.splitter = splitter
+        self.body = body
+        self.t0 = time.perf_counter()
+        self.raw_text = ""
+        self.token_ids: List[int] = []
+        self.logprobs: List[dict] = []
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.stats = None
+        self.pieces: List[Piece] = []
+
+    def start(self) -> None:
+        """Validate and submit; errors here are the client's (400/413)."""
+        st = self.state
+        if st.max_prompt_tokens and len(self.req.prompt) > st.max_prompt_tokens:
+            raise APIError(413, f"the prompt has {len(self.req.prompt)} tokens, more than this server's limit "
+                                f"of {st.max_prompt_tokens} (--max-prompt-tokens)", code="context_length_exceeded")
+        if st.request_hook is not None:
+            st.request_hook(self.req, self.body)
+        try:
+            self.queue = st.bridge.submit(self.req)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    async def updates(self) -> AsyncIterator[Tuple[List[Piece], Event]]:
+        st = self.state
+        last = None
+        try:
+            while True:
+                ev: Event = await self.queue.get()
+                now = time.perf_counter()
+                if ev.token_ids:
+                    if last is None:
+                        st.metrics.ttft.observe(now - self.t0)
+                    else:
+                        per = (now - last) / len(ev.token_ids)
+                        for _ in ev.token_ids:
+                            st.metrics.itl.observe(per)
+                    last = now
+                self.token_ids += ev.token_ids
+                self.raw_text += ev.text
+                if ev.logprobs:
+                    self.logprobs += ev.logprobs
+                pieces: List[Piece] = []
+                if ev.finish_reason == "error":
+                    self.error = ev.error or "generation failed"
+                if self.splitter is None:
+                    if ev.text:
+                        pieces.append(("content", ev.text))
+                else:
+                    pieces += self.splitter.feed(ev.text)
+                    if ev.finish_reason is not None:
+                        pieces += self.splitter.finish()
+                self.pieces += pieces
+                if ev.finish_reason is not None:
+                    self.finish_reason = ev.finish_reason
+                    self.stats = ev.stats
+                    if ev.stats is not None:
+                        st.metrics.on_finish(ev.stats)
+                yield pieces, ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            if self.finish_reason is None:
+                # The client went away (or the handler failed): free the slot.
+                st.bridge.cancel(self.req.id)
+
+    def abandon(self) -> None:
+        """The consumer is gone: cancel unless finished (idempotent; cancel of a finished id is a no-op)."""
+        if self.finish_reason is None:
+            self.state.bridge.cancel(self.req.id)
+
+    async def run(self) -> None:
+        async for _ in self.updates():
+            pass
+
+    # ------------------------------------------------------------------ results
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.req.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.stats.generated_tokens if self.stats is not None else len(self.token_ids)
+
+    def mtp_usage(self) -> dict:
+        s = self.stats.as_dict() if self.stats is not None else {}
+        return {k: s.get(k, 0) for k in ("drafted", "accepted", "acceptance", "acceptance_by_position",
+                                          "tokens_per_forward", "forwards", "depths")}
+
+    def content(self) -> str:
+        return "".join(v for k, v in self.pieces if k == "content")
+
+    def reasoning(self) -> str:
+        return "".join(v for k, v in self.pieces if k == "reasoning")
+
+    def tool_calls(self) -> List[dict]:
+        return [v for k, v in self.pieces if k == "tool_call"]
+
+    def ended_on_eos(self) -> bool:
+        stop_ids = self.req.stop_token_ids if self.req.stop_token_ids is not None else self.state.eos_ids
+        return bool(self.token_ids) and self.token_ids[-1] in set(stop_ids)
+
+    def stop_sequence(self) -> Optional[str]:
+        """Which stop string ended the output (None for EOS / length)."""
+        if self.finish_reason != "stop" or not self.req.stop or self.ended_on_eos():
+            return None
+        full = self.state.tok.decode(self.token_ids)
+        at = len(self.raw_text)
+        for s in self.req.stop:
+            if full.startswith(s, at):
+                return s
+        found = [(full.find(s), s) for s in self.req.stop if s in full]
+        return min(found)[1] if found else self.req.stop[0]
+
+
+def finish_error(gen: Generation) -> APIError:
+    return APIError(500, gen.error or "generation failed")

@@ -1,0 +1,64 @@
+"""Prometheus metrics, one CollectorRegistry per app (tests build several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        p = "mlxmtp_"
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time per generated token after the first.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Gauge(p + "queue_length", "Requests waiting for a batch slot or prefill.", registry=r)
+        self.batch = Gauge(p + "batch_size", "Requests decoding together.", registry=r)
+        self.drafted = Counter(p + "mtp_drafted_tokens", "Tokens drafted by the MTP head.", registry=r)
+        self.accepted = Counter(p + "mtp_accepted_tokens", "Drafted tokens the model accepted.", registry=r)
+        self.drafted_pos = Counter(p + "mtp_drafted_by_position", "Drafts reached, by draft position.",
+                                   ["position"], registry=r)
+        self.accepted_pos = Counter(p + "mtp_accepted_by_position", "Drafts accepted, by draft position.",
+                                    ["position"], registry=r)
+        self.acceptance_pos = Gauge(p + "mtp_acceptance_by_position",
+                                    "Cumulative acceptance rate by draft position.", ["position"], registry=r)
+        self.depth = Counter(p + "mtp_depth_cycles", "Decode cycles by chosen draft depth.", ["depth"],
+                             registry=r)
+        self.last_depth = Gauge(p + "mtp_depth", "Draft depth chosen for the latest decode cycle.", registry=r)
+        self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised.", registry=r)
+        self._pos_totals: dict = {}
+
+    def on_step(self, engine, decoded: bool) -> None:
+        """From the engine thread after every step."""
+        self.queue.set(engine.num_waiting)
+        self.batch.set(engine.num_active)
+        if decoded:
+            self.depth.labels(str(engine.last_depth)).inc()
+            self.last_depth.set(engine.last_depth)
+
+    def on_finish(self, stats) -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generated_tokens.inc(stats.generated_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        for i, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position, strict=True)):
+            pos = str(i + 1)
+            self.drafted_pos.labels(pos).inc(d)
+            self.accepted_pos.labels(pos).inc(a)
+            td, ta = self._pos_totals.get(pos, (0, 0))
+            td, ta = td + d, ta + a
+            self._pos_totals[pos] = (td, ta)
+            self.acceptance_pos.labels(pos).set(ta / td if td else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

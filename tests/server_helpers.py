@@ -1,0 +1,90 @@
+"""Helpers for the server tests: a real uvicorn server in a thread, and a test-only
+request hook that forces the (random) fixture model's output.
+
+The forced output is a logits processor added to the request's SamplingParams: the
+engine still runs everything for real (prefill, MTP drafts, verify, acceptance, stop
+on EOS, detokenization) but every distribution is a one-hot on the scripted token, so
+tool-call / thinking parsing can be checked end to end through HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import mlx.core as mx
+import uvicorn
+
+EOS_ID = 298  # <|im_end|> in the fixture tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, app):
+        self.port = free_port()
+        self.app = app
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def forced_processor(prompt_len: int, ids):
+    """Logits processor: position i of the output is ids[i] (EOS afterwards)."""
+
+    def proc(ctx, logits):
+        i = int(ctx.shape[0]) - prompt_len
+        target = ids[i] if 0 <= i < len(ids) else EOS_ID
+        vocab = logits.shape[-1]
+        row = mx.where(mx.arange(vocab) == target, 0.0, -1e9).astype(logits.dtype)
+        return mx.broadcast_to(row, logits.shape)
+
+    return proc
+
+
+def failing_processor(ctx, logits):
+    raise RuntimeError("injected failure")
+
+
+class Hook:
+    """request_hook for create_app: a marker anywhere in the request body picks a script.
+
+    `FORCE:<name>` forces SCRIPTS[name] (+ EOS); `FAIL:now` makes the engine step raise."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.scripts = {}
+
+    def __call__(self, req, body):
+        raw = json.dumps(body)
+        if "FAIL:now" in raw:
+            req.params.logits_processors.append(failing_processor)
+            return
+        for name, text in sorted(self.scripts.items(), key=lambda kv: -len(kv[0])):  # longest name first
+            if f"FORCE:{name}" in raw:
+                ids = self.tok.encode(text, add_special_tokens=False) + [EOS_ID]
+                req.params.logits_processors.append(forced_processor(len(req.prompt), ids))
+                return

@@ -1,0 +1,197 @@
+"""Unit tests on crafted text: tool-call parsers, the streaming think/tool splitter,
+message conversion and template rendering (fixture tokenizer), error shapes."""
+
+import json
+
+import pytest
+
+from mlxmtp.server.chat import (
+    anthropic_messages,
+    anthropic_tools,
+    encode_prompt,
+    openai_messages,
+    render,
+)
+from mlxmtp.server.errors import (
+    APIError,
+    anthropic_error_body,
+    field,
+    openai_error_body,
+    parse_json_body,
+)
+from mlxmtp.server.reasoning import OutputSplitter, split_all, starts_in_thinking
+from mlxmtp.server.tool_parsers import ToolParseError, parse_tool_call
+
+TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "force": {"type": "boolean"},
+    "opts": {"type": "object"}, "code": {"type": "string"}}}}}]
+
+
+# ------------------------------------------------------------------ tool parsers
+def test_hermes_json_tool_call():
+    assert parse_tool_call('\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n') == \
+        {"name": "f", "arguments": {"a": 1, "b": "x"}}
+    # double-encoded arguments and "parameters" spelling
+    assert parse_tool_call('{"name": "f", "arguments": "{\\"a\\": 2}"}')["arguments"] == {"a": 2}
+    assert parse_tool_call('{"name": "f", "parameters": {"q": true}}')["arguments"] == {"q": True}
+    assert parse_tool_call('{"name": "f"}')["arguments"] == {}
+
+
+def test_qwen3_coder_xml_tool_call_typed_by_schema():
+    body = ("\n<function=edit>\n<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=line>\n42\n</parameter>\n"
+            "<parameter=force>\ntrue\n</parameter>\n<parameter=opts>\n{\"x\": [1, 2]}\n</parameter>\n"
+            "<parameter=code>\ndef f():\n    return 1\n</parameter>\n</function>\n")
+    call = parse_tool_call(body, TOOLS)
+    assert call == {"name": "edit", "arguments": {"path": "src/a.py", "line": 42, "force": True,
+                                                  "opts": {"x": [1, 2]}, "code": "def f():\n    return 1"}}
+    # Without a schema, scalars stay strings; structured values decode.
+    assert parse_tool_call("<function=g><parameter=n>7</parameter><parameter=o>[1]</parameter></function>") == \
+        {"name": "g", "arguments": {"n": "7", "o": [1]}}
+
+
+@pytest.mark.parametrize("bad", ["", "not json", '{"arguments": {}}', '{"name": "f", "arguments": [1]}',
+                                 "<function>oops"])
+def test_tool_call_parse_errors(bad):
+    with pytest.raises(ToolParseError):
+        parse_tool_call(bad)
+
+
+# ------------------------------------------------------------------ splitter
+def _stream(text, **kw):
+    sp = OutputSplitter(**kw)
+    out = []
+    for ch in text:  # worst case: one character per event, tags split everywhere
+        out += sp.feed(ch)
+    out += sp.finish()
+    merged = []
+    for kind, value in out:
+        if merged and merged[-1][0] == kind and kind != "tool_call":
+            merged[-1] = (kind, merged[-1][1] + value)
+        else:
+            merged.append((kind, value))
+    return merged
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_splitter_think_then_content_then_tools(chunked):
+    text = ('<think>\nplan it\n</think>\n\nI will call two tools.\n\n<tool_call>\n{"name": "f", "arguments": '
+            '{"a": 1}}\n</tool_call>\n<tool_call>\n<function=edit>\n<parameter=line>\n3\n</parameter>\n'
+            '</function>\n</tool_call>')
+    out = _stream(text, tools=TOOLS) if chunked else split_all(text, tools=TOOLS)
+    assert out == [("reasoning", "plan it"), ("content", "I will call two tools."),
+                   ("tool_call", {"name": "f", "arguments": {"a": 1}}),
+                   ("tool_call", {"name": "edit", "arguments": {"line": 3}})]
+
+
+def test_splitter_starts_inside_thinking():
+    out = _stream("let me think\n</think>\n\nAnswer: 4", in_thinking=True)
+    assert out == [("reasoning", "let me think"), ("content", "Answer: 4")]
+    # Thinking never closed (max_tokens): everything is reasoning, nothing leaks into content.
+    assert _stream("still thinking <tool", in_thinking=True) == [("reasoning", "still thinking <tool")]
+
+
+def test_splitter_tools_not_parsed_without_tools_and_bad_calls_kept():
+    text = 'a <tool_call>{"name": "f"}</tool_call> b'
+    assert _stream(text, parse_tools=False) == [("content", text)]
+    out = _stream("x <tool_call>garbage</tool_call> y")
+    assert "".join(v for k, v in out if k == "content").replace(" ", "") == "x<tool_call>garbage</tool_call>y"
+    # Unterminated but complete call at EOS is still a call.
+    assert _stream('<tool_call>\n{"name": "f", "arguments": {}}')[-1] == ("tool_call", {"name": "f", "arguments": {}})
+
+
+def test_think_tags_after_the_answer_are_text():
+    assert _stream("<think>a</think>Use <think> tags.") == [("reasoning", "a"), ("content", "Use <think> tags.")]
+
+
+def test_splitter_holds_partial_tags_only():
+    sp = OutputSplitter()
+    assert sp.feed("Hello <thi") == [("content", "Hello")]
+    assert sp.feed("s is fine") == [("content", " <this is fine")]
+    assert sp.feed("<") == []
+    assert sp.finish() == [("content", "<")]
+
+
+def test_starts_in_thinking():
+    assert starts_in_thinking("<|im_start|>assistant\n<think>\n")
+    assert not starts_in_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not starts_in_thinking("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------ messages
+def test_openai_messages_conversion():
+    msgs = openai_messages([
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ])
+    assert msgs[0] == {"role": "system", "content": "be brief"}
+    assert msgs[1]["content"] == "hi there"
+    assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"a": 1}  # dict for the template
+    assert msgs[3] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    for bad in ([], "x", [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
+        with pytest.raises(APIError) as e:
+            openai_messages(bad)
+        assert e.value.status == 400
+
+
+def test_anthropic_messages_conversion():
+    msgs = anthropic_messages([{"type": "text", "text": "sys"}], [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                          {"type": "text", "text": "checking"},
+                                          {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "sunny"}]}, {"type": "text", "text": "thanks"}]},
+    ])
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "user"]
+    assert msgs[2]["reasoning_content"] == "hmm"
+    assert msgs[2]["tool_calls"][0]["function"] == {"name": "w", "arguments": {"c": "P"}}
+    assert msgs[3]["content"] == "sunny"
+    tools = anthropic_tools([{"name": "w", "description": "d", "input_schema": {"type": "object"}}])
+    assert tools == [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"},
+                                                       "description": "d"}}]
+
+
+def test_render_with_fixture_template(tmp_path):
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    from mlxmtp.testing.fixtures import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = load_tok(tmp_path)
+    msgs = openai_messages([
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ])
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]
+    ids, text, in_think = render(tok, msgs, tools, enable_thinking=False)
+    assert "<tools>" in text and '"name": "w"' in text
+    assert '<tool_call>\n{"name": "w", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert text.endswith("<think>\n\n</think>\n\n") and not in_think
+    assert tok.decode(ids) == text
+    _, text_on, _ = render(tok, msgs, None, enable_thinking=True)
+    assert "<tools>" not in text_on and not text_on.endswith("</think>\n\n")
+    assert encode_prompt(tok, "abc")[0] == tok.encode("abc", add_special_tokens=False)
+    assert encode_prompt(tok, [[1, 2, 3]])[0] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ errors
+def test_error_shapes_and_field_checks():
+    err = APIError(404, "nope", param="model", code="model_not_found")
+    assert openai_error_body(err) == {"error": {"message": "nope", "type": "invalid_request_error",
+                                                "param": "model", "code": "model_not_found"}}
+    assert anthropic_error_body(err) == {"type": "error", "error": {"type": "not_found_error", "message": "nope"}}
+    with pytest.raises(APIError):
+        parse_json_body(b"{oops")
+    with pytest.raises(APIError):
+        parse_json_body(json.dumps([1]).encode())
+    assert field({"t": 1}, "t", float) == 1
+    for body in ({"t": True}, {"t": "1"}, {"t": -1}):
+        with pytest.raises(APIError):
+            field(body, "t", float, minimum=0)
