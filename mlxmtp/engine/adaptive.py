@@ -2,10 +2,12 @@
 
 Expected tokens from one cycle of depth k, per row, with a_i the probability that
 draft i is kept given drafts 1..i-1 were:  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j.
-The cycle's cost c(k) is measured (wall time, exponential moving average) per batch
-size bucket; unmeasured depths are extrapolated linearly from c(0) and c(1).
-k* = argmax E(k) / c(k). Every `probe_every` cycles a neighbour of k* is re-measured
-so the choice follows changing costs and acceptance.
+The cycle's cost c(k) is measured (wall time, median of the last `window` cycles: a
+shared machine's timings have long tails) per batch size bucket; unmeasured depths are
+extrapolated linearly from c(0) and c(1). k* = argmax E(k) / c(k), where drafting must
+beat plain decoding by `margin` (noise must not buy a slower setting). Every
+`probe_every` cycles a neighbour of k* is re-measured so the choice follows changing
+costs and acceptance.
 
 On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's
 quantized kernels), E(k)/c(k) < 1/c(0) for every k > 0 and the policy settles on 0:
@@ -14,7 +16,9 @@ never slower than MTP off, up to the few probe cycles.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import statistics
+from collections import deque
+from typing import Deque, Dict, List, Optional
 
 
 def _bucket(batch_size: int) -> int:
@@ -26,15 +30,17 @@ def _bucket(batch_size: int) -> int:
 
 class DepthPolicy:
     def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, probe_every: int = 24,
-                 ema: float = 0.2, prior_accept: float = 0.6, prior_weight: float = 4.0):
+                 window: int = 15, margin: float = 0.05, prior_accept: float = 0.5, prior_weight: float = 2.0):
         self.max_depth = max_depth if fixed is None else fixed
         self.fixed = fixed
         self.probe_every = probe_every
-        self.ema = ema
+        self.window = window
+        self.margin = margin
         # Per position: kept / drafted, with a weak prior.
         self.kept = [prior_accept * prior_weight] * (self.max_depth + 1)
         self.tried = [prior_weight] * (self.max_depth + 1)
-        self.cost: Dict[int, Dict[int, float]] = {}  # bucket -> k -> seconds per cycle
+        self.samples: Dict[int, Dict[int, Deque[float]]] = {}  # bucket -> k -> recent cycle seconds
+        self.cost: Dict[int, Dict[int, float]] = {}  # bucket -> k -> median seconds per cycle
         self.cycles = 0
         self.last_choice = 0
 
@@ -69,6 +75,7 @@ class DepthPolicy:
             if k not in measured and k <= cap:
                 return k
         rates = {k: self.expected_tokens(k) / self._cost(bucket, k) for k in range(cap + 1)}
+        rates[0] *= 1 + self.margin
         best = max(rates, key=rates.get)
         if best not in measured:
             return best
@@ -80,8 +87,9 @@ class DepthPolicy:
     def update(self, k: int, batch_size: int, seconds: float, kept_per_row: List[int]) -> None:
         """Record one cycle: its depth, wall time, and how many drafts each row kept."""
         bucket = _bucket(batch_size)
-        c = self.cost.setdefault(bucket, {})
-        c[k] = seconds if k not in c else (1 - self.ema) * c[k] + self.ema * seconds
+        window = self.samples.setdefault(bucket, {}).setdefault(k, deque(maxlen=self.window))
+        window.append(seconds)
+        self.cost.setdefault(bucket, {})[k] = statistics.median(window)
         for kept in kept_per_row:
             for i in range(1, k + 1):
                 if kept >= i - 1:  # position i was reached

@@ -62,6 +62,27 @@ class Row:
     first_lp: float = 0.0
 
 
+@dataclass
+class _Cycle:
+    """One decode cycle's lazily built results, read by `_finish`."""
+
+    rows: List[Row]
+    k: int
+    kept: mx.array  # [B] drafts kept per row
+    tokens: mx.array  # [B, k+1]; row b emits tokens[b, : kept[b] + 1]
+    lps: Optional[mx.array]
+    hidden: mx.array  # [B, k+1, H] head inputs
+    records: list  # Gated DeltaNet per-position states of the verify
+    t0: float
+    pipelined: bool
+
+    def select(self, keep: List[int]) -> "_Cycle":
+        idx = mx.array(keep, dtype=mx.int32)
+        return _Cycle([self.rows[i] for i in keep], self.k, self.kept[idx], self.tokens[idx],
+                      None if self.lps is None else self.lps[idx], self.hidden[idx], self.records,
+                      self.t0, self.pipelined)
+
+
 class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
                  max_depth: int = 4, max_batch: int = 16, prefill_step: int = 512,
@@ -79,7 +100,16 @@ class BatchGenerator:
             self.head = None
         adapter.prepare_model(model)
         self.vocab_size = self.parts.args.vocab_size
-        self.policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)
+        # Costs and acceptance belong to the model on this machine, not to one engine:
+        # engines of the same model (e.g. successive `generate` calls) share what was learnt.
+        policies = getattr(att, "policies", None) if att is not None else None
+        key = (max_depth, num_draft)
+        if policies is not None and key in policies:
+            self.policy = policies[key]
+        else:
+            self.policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)
+            if policies is not None:
+                policies[key] = self.policy
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.acceptance_rule = acceptance_rule
@@ -96,6 +126,9 @@ class BatchGenerator:
         # Tests replace drafts through this hook to force chosen acceptance patterns
         # (drafts are verified, so any drafts give the same output): draft_hook(rows, drafts) -> drafts.
         self.draft_hook = None
+        self._inflight: Optional[_Cycle] = None  # a pipelined plain-decoding cycle not read yet
+        self._last_finish = 0.0
+        self._steady = False
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
@@ -110,7 +143,7 @@ class BatchGenerator:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows or self.waiting or self._inbox)
+        return bool(self.rows or self.waiting or self._inbox or self._inflight)
 
     @property
     def num_active(self) -> int:
@@ -123,6 +156,8 @@ class BatchGenerator:
     # ---------------------------------------------------------------- the loop
     def step(self) -> List[Event]:
         events: List[Event] = []
+        if self._inflight is not None and (self._inbox or self._cancel or self.waiting):
+            self._drain(events)  # joins and cancellations change the batch: settle it first
         self._take_inbox(events)
         # At most `prefill_step` prompt tokens per step, so decoding rows never wait long;
         # short (or fully cached) prompts join several per step.
@@ -232,6 +267,8 @@ class BatchGenerator:
             return
         keep = [i for i in range(len(self.rows)) if i not in set(gone)]
         self.rows = [self.rows[i] for i in keep]
+        if self._inflight is not None:
+            self._inflight = self._inflight.select(keep) if keep else None
         if not keep:
             self.cache = self.head_cache = None
             return
@@ -252,11 +289,45 @@ class BatchGenerator:
         return self.policy.choose(len(self.rows), limit)
 
     def _decode_cycle(self, events: List[Event]) -> None:
-        t0 = time.perf_counter()
-        rows, B = self.rows, len(self.rows)
         k = self._choose_depth()
-        ys = mx.array([r.y for r in rows], dtype=mx.int32)[:, None]
+        pipelined = k == 0 and all(not r.sampler.procs for r in self.rows)
+        if self._inflight is not None and not pipelined:
+            self._drain(events)
+            if not self.rows:
+                return
+        rec = self._launch(k, self._inflight if pipelined else None)
+        if not pipelined:
+            # The caches are evaluated with the tokens: the work is due anyway, and leaving
+            # it lazy would bill this cycle's cost to the next one (and skew the depth policy).
+            mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
+                    *_cache_arrays(self.cache), *(_cache_arrays(self.head_cache) if self.head_cache else []))
+            self._finish(rec, events)
+            return
+        # Plain decoding, pipelined as mlx-lm does: this cycle's forward is queued on the
+        # device before the previous cycle's tokens are read and emitted, so building
+        # graphs and bookkeeping overlap the computation. A row that finished in the
+        # previous cycle was fed one token too many here; it leaves, so nothing leaks.
+        mx.async_eval(rec.tokens, *([rec.lps] if rec.lps is not None else []))
+        prev, self._inflight = self._inflight, rec
+        if prev is not None:
+            self._finish(prev, events)
+
+    def _drain(self, events: List[Event]) -> None:
+        """Emit the cycle still in flight (before the batch changes shape)."""
+        if self._inflight is not None:
+            rec, self._inflight = self._inflight, None
+            self._finish(rec, events)
+
+    def _launch(self, k: int, after: Optional["_Cycle"] = None) -> "_Cycle":
+        """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily."""
+        t0 = time.perf_counter()
+        rows, B = list(self.rows), len(self.rows)
+        if after is not None:  # the previous (unread) cycle's tokens are this one's inputs
+            ys = after.tokens[:, :1]
+        else:
+            ys = mx.array([r.y for r in rows], dtype=mx.int32)[:, None]
         q_rows: List[Optional[mx.array]] = [None] * B
+        records = []
         if k > 0:
             drafts, q_rows = draft(self.head, self.parts, self.head_cache, [r.pend for r in rows],
                                    [r.pend_t for r in rows], k, self._picker(rows))
@@ -269,12 +340,14 @@ class BatchGenerator:
         else:
             drafts = mx.zeros((B, 0), dtype=mx.int32)
             logits, hidden = adapter.forward(self.parts, ys, self.cache, self.hidden_state)
-            records = []
         kept, tokens, lps = self._accept(rows, logits, drafts, q_rows)
-        mx.eval(kept, tokens, *([lps] if lps is not None else []))
-        kept_l, tok_l = kept.tolist(), tokens.tolist()
-        lp_l = lps.tolist() if lps is not None else None
+        return _Cycle(rows, k, kept, tokens.astype(mx.int32), lps, hidden, records, t0, after is not None)
 
+    def _finish(self, rec: "_Cycle", events: List[Event]) -> None:
+        """Read a cycle's results (the one host sync), emit, and roll every state back."""
+        rows, k, B = rec.rows, rec.k, len(rec.rows)
+        kept_l, tok_l = rec.kept.tolist(), rec.tokens.tolist()
+        lp_l = rec.lps.tolist() if rec.lps is not None else None
         finished, consumed = [], []
         for b, row in enumerate(rows):
             emitted = tok_l[b][: kept_l[b] + 1]
@@ -284,14 +357,14 @@ class BatchGenerator:
             if n:
                 finished.append(b)
         # Roll back to exactly the tokens each row consumed (y plus the kept drafts).
-        adapter.commit(self.cache, records, consumed, k + 1)
+        adapter.commit(self.cache, rec.records, consumed, k + 1)
         if self.head is not None:
             if k > 1:
                 for c in self.head_cache:
                     c.trim_rows([k - 1] * B)
             for b, row in enumerate(rows):
                 # The verify's hidden states paired with the tokens emitted after them.
-                seg = (hidden, b, consumed[b])
+                seg = (rec.hidden, b, consumed[b])
                 if k > 0:
                     row.pend, row.pend_t = [seg], tok_l[b][: consumed[b]]
                 else:
@@ -301,13 +374,19 @@ class BatchGenerator:
                 self._absorb()
         for row in rows:
             row.y = row.tokens[-1]
-        dt = time.perf_counter() - t0
-        self.policy.update(k, B, dt, kept_l)
+        now = time.perf_counter()
+        dt = now - max(rec.t0, self._last_finish)
+        self._last_finish = now
+        # A pipelined cycle's cost is the interval between two pipelined finishes; the
+        # first one after a synchronous cycle also spans the next launch, so it is not timed.
+        if not rec.pipelined or self._steady:
+            self.policy.update(k, B, dt, kept_l)
+        self._steady = rec.pipelined
         self.cycles += 1
         self.last_depth = k
         for row in rows:
             row.stats.decode_seconds += dt
-        if self.prefix_cache.max_bytes > 0:
+        if self.prefix_cache.max_bytes > 0 and not rec.pipelined and self._inflight is None:
             for b in finished:
                 self._store_finished(b)
         self._drop_rows(finished)

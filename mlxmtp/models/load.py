@@ -57,6 +57,7 @@ class MTPAttachment:
     info: dict
     hidden_state: str = "post_norm"
     disabled_reason: Optional[str] = None
+    policies: dict = field(default_factory=dict)  # learnt depth policies, shared by engines
 
     @property
     def active(self) -> bool:
