@@ -192,3 +192,23 @@ def test_inspect_json(fixture_model):
     assert info["mtp"]["hidden_state"] == "post_norm" and info["mtp"]["location"]
     q = json.loads(CliRunner().invoke(cli, ["inspect", str(paths["mlx_4bit"]), "--json"]).output)
     assert q["quantization"]["bits"] == 4 and q["mtp"]["present"] is False
+
+
+def test_pre_norm_switch_feeds_the_backbone_input_of_the_final_norm(fixture_model):
+    from mlxmtp.engine import mlx_lm_adapter as adapter
+    from mlxmtp.engine.generate import generate
+
+    path = str(fixture_model("qwen3_5")["hf"])
+    post, tok = load(path)
+    pre, _ = load(path, hidden_state="pre_norm")
+    x = mx.array([[5, 6, 7, 8]])
+    lp, hp = adapter.forward(pre.mtp.parts, x, None, "pre_norm")
+    lq, hq = adapter.forward(post.mtp.parts, x, None, "post_norm")
+    assert mx.array_equal(lp, lq).item()  # logits unchanged by the switch
+    # post-norm = final_norm(pre-norm): the switch really hands the head the norm's input
+    assert mx.allclose(pre.mtp.parts.backbone.norm(hp), hq, atol=1e-5).item()
+    assert not mx.allclose(hp, hq).item()
+    prompt = [1, 2, 3, 4, 5]
+    a = generate(pre, tok, prompt, max_tokens=30, num_draft=2).token_ids
+    b = generate(post, tok, prompt, max_tokens=30, enable_mtp=False).token_ids
+    assert a == b

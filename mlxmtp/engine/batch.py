@@ -75,6 +75,8 @@ class _Cycle:
     records: list  # Gated DeltaNet per-position states of the verify
     t0: float
     pipelined: bool
+    built: float = 0.0  # graph built (synchronous cycles)
+    computed: float = 0.0  # device done (synchronous cycles)
 
     def select(self, keep: List[int]) -> "_Cycle":
         idx = mx.array(keep, dtype=mx.int32)
@@ -86,7 +88,7 @@ class _Cycle:
 class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
                  max_depth: int = 4, max_batch: int = 16, prefill_step: int = 512,
-                 prefix_cache_bytes: int = 0, acceptance_rule: str = "exact"):
+                 prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         att = getattr(model, "mtp", None)
@@ -113,6 +115,9 @@ class BatchGenerator:
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.acceptance_rule = acceptance_rule
+        # profile: evaluate drafts on their own (one more sync per cycle) to split device
+        # time into draft and verify; off by default, the split is for benchmarks.
+        self.profile = profile
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.rows: List[Row] = []  # active, in batch order
         self.cache: Optional[list] = None
@@ -129,6 +134,7 @@ class BatchGenerator:
         self._inflight: Optional[_Cycle] = None  # a pipelined plain-decoding cycle not read yet
         self._last_finish = 0.0
         self._steady = False
+        self._draft_time = 0.0
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
@@ -299,8 +305,10 @@ class BatchGenerator:
         if not pipelined:
             # The caches are evaluated with the tokens: the work is due anyway, and leaving
             # it lazy would bill this cycle's cost to the next one (and skew the depth policy).
+            rec.built = time.perf_counter()
             mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
                     *_cache_arrays(self.cache), *(_cache_arrays(self.head_cache) if self.head_cache else []))
+            rec.computed = time.perf_counter()
             self._finish(rec, events)
             return
         # Plain decoding, pipelined as mlx-lm does: this cycle's forward is queued on the
@@ -333,6 +341,10 @@ class BatchGenerator:
                                    [r.pend_t for r in rows], k, self._picker(rows))
             if self.draft_hook is not None:
                 drafts = self.draft_hook(rows, drafts)
+            if self.profile:
+                t = time.perf_counter()
+                mx.eval(drafts, *[q for q in q_rows if q is not None])
+                self._draft_time = time.perf_counter() - t
             inputs = mx.concatenate([ys, drafts], axis=1)
             with gdn_capture.record() as rec:
                 logits, hidden = adapter.forward(self.parts, inputs, self.cache, self.hidden_state)
@@ -384,8 +396,13 @@ class BatchGenerator:
         self._steady = rec.pipelined
         self.cycles += 1
         self.last_depth = k
+        device = (rec.computed - rec.built) if rec.computed else 0.0
         for row in rows:
             row.stats.decode_seconds += dt
+            row.stats.device_seconds += device
+            row.stats.overhead_seconds += dt - device - self._draft_time
+            row.stats.draft_seconds += self._draft_time
+        self._draft_time = 0.0
         if self.prefix_cache.max_bytes > 0 and not rec.pipelined and self._inflight is None:
             for b in finished:
                 self._store_finished(b)

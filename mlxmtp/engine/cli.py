@@ -22,9 +22,10 @@ import click
 @click.option("--num-draft", default=None, type=click.IntRange(0, 8), help="Pin the draft depth (default: adaptive).")
 @click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
-             mtp_fallback, no_chat_template, as_json):
+             mtp_fallback, no_chat_template, profile, as_json):
     """Generate a completion for PROMPT."""
     from ..models.load import MTPLoadError, load
     from .generate import generate as run
@@ -47,7 +48,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         raise click.BadParameter(str(e)) from e
     t0 = time.perf_counter()
     res = run(m, tok, ids, max_tokens=max_tokens, params=params, enable_mtp=enable_mtp and m.mtp.active,
-              num_draft=num_draft)
+              num_draft=num_draft, profile=profile)
     wall = time.perf_counter() - t0
     stats = res.stats.as_dict()
     stats["wall_seconds"] = wall
@@ -65,5 +66,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         by_pos = ", ".join(f"{a:.0%}" for a in stats["acceptance_by_position"])
         click.echo(f"MTP: drafted {stats['drafted']}, accepted {stats['accepted']} ({stats['acceptance']:.0%}; by position: {by_pos}), "
                    f"{stats['tokens_per_forward']:.2f} tokens/forward, depths {stats['depths']}")
+        t = stats["time"]
+        click.echo(f"Time: draft {t['draft']:.3f}s, verify {t['verify']:.3f}s, overhead {t['overhead']:.3f}s"
+                   + ("" if profile else " (draft is inside verify without --profile)"))
     else:
         click.echo("MTP: off" + (f" ({m.mtp.disabled_reason})" if m.mtp.disabled_reason else ""))

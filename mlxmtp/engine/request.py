@@ -44,6 +44,9 @@ class RequestStats:
     accepted_by_position: List[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    device_seconds: float = 0.0  # waiting on draft + verify (synchronous cycles)
+    draft_seconds: float = 0.0  # drafting alone, when the engine profiles
+    overhead_seconds: float = 0.0  # host: building graphs, bookkeeping (pipelined cycles: all)
     depths: Dict[int, int] = field(default_factory=dict)
 
     def record_cycle(self, k: int, kept: int, emitted: int) -> None:
@@ -80,6 +83,8 @@ class RequestStats:
             "depths": dict(sorted(self.depths.items())),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "time": {"draft": self.draft_seconds, "verify": self.device_seconds,
+                     "overhead": self.overhead_seconds},
             "tokens_per_second": (self.decode_tokens / self.decode_seconds) if self.decode_seconds else 0.0,
         }
 
