@@ -1,0 +1,98 @@
+"""The shipped demo model (mlxmtp/demo_model/, built by scripts/train_demo_model.py).
+
+Acceptance here is a measurement on a deterministic shipped artifact (greedy decoding,
+fixed prompts), not a timing, so a threshold on it is a fair test.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from mlxmtp.models import demo
+
+
+def test_demo_model_is_shipped():
+    # No skip: the package ships the demo model, a missing one is a failure.
+    assert (demo.PACKAGED / "config.json").exists()
+    assert (demo.PACKAGED / "mtp" / "config.json").exists()
+
+# From standard-library files the tokenizer and model never saw (held out by the
+# training script's deterministic split, listed in demo_model/training.json).
+HELD_OUT_FNMATCH = '''def translate(pat):
+    """Translate a shell PATTERN to a regular expression.
+
+    There is no way to quote meta-characters.
+    """
+
+    STAR = object()
+    res = []
+    add = res.append
+    i, n = 0, len(pat)
+    while i < n:
+        c = pat[i]
+        i = i+1
+'''
+HELD_OUT_CSV = '''class DictReader:
+    def __init__(self, f, fieldnames=None, restkey=None, restval=None,
+                 dialect="excel", *args, **kwds):
+        self._fieldnames = fieldnames   # list of keys for the dict
+        self.restkey = restkey          # key to catch long rows
+        self.restval = restval          # default value for short rows
+        self.reader = reader(f, dialect, *args, **kwds)
+        self.dialect = dialect
+        self.line_num = 0
+
+    def __iter__(self):
+        return self
+'''
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    import mlxmtp
+
+    return mlxmtp.load()  # no path: the packaged demo model
+
+
+def test_default_model_is_the_packaged_demo_with_an_active_head(demo_model):
+    model, _ = demo_model
+    assert demo.demo_model_path() == demo.PACKAGED
+    assert model.mtp.active, model.mtp.disabled_reason
+    assert model.mtp.parts.family == "qwen3_5"
+
+
+def test_demo_model_size_limit():
+    size = sum(f.stat().st_size for f in Path(demo.PACKAGED).rglob("*") if f.is_file())
+    assert size <= 20 * 1024 * 1024, size
+
+
+def test_held_out_prompts_are_held_out():
+    import json
+
+    held = json.loads((demo.PACKAGED / "training.json").read_text())["held_out_files"]
+    assert "fnmatch.py" in held and "csv.py" in held
+
+
+@pytest.mark.parametrize("prompt", [HELD_OUT_FNMATCH, HELD_OUT_CSV], ids=["fnmatch", "csv"])
+def test_greedy_mtp_equals_greedy_without_mtp(demo_model, prompt):
+    from mlxmtp.engine.generate import generate
+
+    model, tok = demo_model
+    ids = tok.encode(prompt)
+    on = generate(model, tok, ids, max_tokens=64, enable_mtp=True, num_draft=2)
+    off = generate(model, tok, ids, max_tokens=64, enable_mtp=False)
+    assert on.token_ids == off.token_ids
+
+
+def test_depth1_greedy_acceptance_on_held_out_code(demo_model):
+    """Mean depth-1 acceptance over every held-out prompt (not a hand-picked one) >= 60%."""
+    from mlxmtp.engine.generate import generate
+    from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS
+
+    model, tok = demo_model
+    accs = {}
+    for name, prompt in HELD_OUT_PROMPTS.items():
+        stats = generate(model, tok, tok.encode(prompt), max_tokens=100, num_draft=1).stats.as_dict()
+        assert stats["drafted"] > 0
+        accs[name] = stats["acceptance"]
+    assert sum(accs.values()) / len(accs) >= 0.6, accs
