@@ -164,7 +164,8 @@ def test_conversion_matches_hf_head_exactly_bits16(tmp_path):
         assert mx.array_equal(weights[k], v).item(), k
     model, tok = L.load(str(target))
     assert type(model.mtp.head.fc) is nn.Linear
-    assert model.mtp.head.fc.weight.dtype == mx.bfloat16
+    # Stored bf16 (above); on the CPU the loader computes the head in float32 (faster there).
+    assert model.mtp.head.fc.weight.dtype == (mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
 
 
 def test_per_expert_bf16_chunked_matches(tmp_path, monkeypatch):

@@ -155,6 +155,14 @@ def build_head(parts: TextParts, weights: Dict[str, mx.array], info: dict,
         )
     head.load_weights(list(weights.items()), strict=True)
     head.eval()
+    if not quantization and mx.default_device() == mx.cpu:
+        # MLX's CPU kernels for float16/bfloat16 are slower than float32 (no BLAS), and the
+        # head's steps are on the critical path of every cycle: compute it in float32 there.
+        # (Drafts are always verified, so this can only change acceptance, never output.)
+        from mlx.utils import tree_map
+
+        head.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype in (mx.float16, mx.bfloat16) else a,
+                             head.parameters()))
     # Materialise now: MLX streams are per thread, and a server evaluates on its engine thread.
     mx.eval(head.parameters())
     return head

@@ -40,6 +40,9 @@ class MTPHead(nn.Module):
         mask=None,
     ) -> mx.array:
         """embeddings, hidden: [B, T, H]. Returns the normed head state h' [B, T, H]."""
+        dtype = self.norm.weight.dtype  # the head may compute in a wider type than the model
+        if embeddings.dtype != dtype:
+            embeddings, hidden = embeddings.astype(dtype), hidden.astype(dtype)
         x = mx.concatenate(
             [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
         )

@@ -22,7 +22,7 @@ log = logging.getLogger("mlxmtp.server")
               help="Requests decoded together; more wait in the queue.")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
               help="Reject longer prompts with 413.")
-@click.option("--prefix-cache-mb", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
               help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health.")
