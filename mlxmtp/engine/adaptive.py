@@ -6,7 +6,7 @@ The cycle's cost c(k) is measured (wall time, median of the last `window` cycles
 shared machine's timings have long tails) per batch size bucket; unmeasured depths are
 extrapolated linearly from c(0) and c(1). k* = argmax E(k) / c(k), where drafting must
 beat plain decoding by `margin` (noise must not buy a slower setting). Every
-`probe_every` cycles a neighbour of k* is re-measured so the choice follows changing
+`probe_every` cycles the most promising alternative to k* is re-measured so the choice follows changing
 costs and acceptance.
 
 On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's
@@ -36,16 +36,27 @@ class DepthPolicy:
         self.probe_every = probe_every
         self.window = window
         self.margin = margin
-        # Per position: kept / drafted, with a weak prior.
-        self.kept = [prior_accept * prior_weight] * (self.max_depth + 1)
-        self.tried = [prior_weight] * (self.max_depth + 1)
+        # Per position: kept / drafted. A weak prior pulls position 1 towards prior_accept
+        # and each deeper position towards the estimate of the one before it (conditional
+        # acceptance changes slowly with depth), so unexplored depths are neither written
+        # off nor oversold.
+        self.prior_accept = prior_accept
+        self.prior_weight = prior_weight
+        self.kept = [0.0] * (self.max_depth + 1)
+        self.tried = [0.0] * (self.max_depth + 1)
         self.samples: Dict[int, Dict[int, Deque[float]]] = {}  # bucket -> k -> recent cycle seconds
         self.cost: Dict[int, Dict[int, float]] = {}  # bucket -> k -> median seconds per cycle
         self.cycles = 0
         self.last_choice = 0
+        self.regime = 0  # the depth chosen outside probes
 
     def acceptance(self) -> List[float]:
-        return [self.kept[i] / self.tried[i] for i in range(1, self.max_depth + 1)]
+        out, prior = [], self.prior_accept
+        for i in range(1, self.max_depth + 1):
+            a = (self.kept[i] + prior * self.prior_weight) / (self.tried[i] + self.prior_weight)
+            out.append(a)
+            prior = a
+        return out
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -59,7 +70,10 @@ class DepthPolicy:
         if k in c:
             return c[k]
         if 0 in c and 1 in c:
-            return c[0] + k * max(c[1] - c[0], 1e-9)
+            # Optimistic for unmeasured depths (a verify's cost grows sublinearly in its
+            # tokens): half the per-draft increment after the first; measuring corrects it.
+            step = max(c[1] - c[0], 1e-9)
+            return c[1] + (k - 1) * step * 0.5
         return None
 
     def choose(self, batch_size: int, limit: Optional[int] = None) -> int:
@@ -79,9 +93,20 @@ class DepthPolicy:
         best = max(rates, key=rates.get)
         if best not in measured:
             return best
-        if self.cycles % self.probe_every == 0:
-            neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= cap]
-            return neighbours[(self.cycles // self.probe_every) % len(neighbours)]
+        # Stay put unless clearly better: switching has costs of its own (the head catches up
+        # on the inputs of a k = 0 stretch; the first plain cycle after drafting is not pipelined).
+        cur = self.regime
+        if cur in rates and cur in measured and rates[best] < rates[cur] * (1 + self.margin):
+            best = cur
+        self.regime = best
+        others = {k: r for k, r in rates.items() if k != best}
+        if others:
+            # Re-measure the most promising alternative, so a change in costs or acceptance
+            # (or an unlucky measurement) is noticed; close calls are re-checked 3x as often.
+            alt = max(others, key=others.get)
+            every = self.probe_every // 3 if others[alt] > 0.85 * rates[best] else self.probe_every
+            if self.cycles % max(every, 1) == 0:
+                return alt
         return best
 
     def update(self, k: int, batch_size: int, seconds: float, kept_per_row: List[int]) -> None:

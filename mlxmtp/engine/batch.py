@@ -358,7 +358,10 @@ class BatchGenerator:
     def _finish(self, rec: "_Cycle", events: List[Event]) -> None:
         """Read a cycle's results (the one host sync), emit, and roll every state back."""
         rows, k, B = rec.rows, rec.k, len(rec.rows)
-        kept_l, tok_l = rec.kept.tolist(), rec.tokens.tolist()
+        # k = 0 keeps nothing by definition: no device read (an unevaluated array read here
+        # would wait behind the next cycle already queued on the device).
+        kept_l = rec.kept.tolist() if k else [0] * B
+        tok_l = rec.tokens.tolist()
         lp_l = rec.lps.tolist() if rec.lps is not None else None
         finished, consumed = [], []
         for b, row in enumerate(rows):
@@ -571,9 +574,8 @@ def _token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
 def _cache_arrays(cache: list) -> List[mx.array]:
     out = []
     for c in cache:
-        if hasattr(c, "lengths") and hasattr(c, "keys") and not hasattr(c, "cache"):
-            if c.keys is not None:
-                out += [c.keys, c.values]
-        else:
+        if hasattr(c, "cache"):  # ArraysCache (Gated DeltaNet)
             out += [a for a in c.cache if a is not None]
+        elif getattr(c, "keys", None) is not None:  # attention KV
+            out += [c.keys, c.values]
     return out
