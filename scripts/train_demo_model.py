@@ -145,44 +145,9 @@ def train_tokenizer(texts: list[str]):
 
 
 def write_tokenizer_files(tok, path: Path) -> None:
-    from mlxmtp.testing.fixtures import (
-        ADDED_TOKENS,
-        CHAT_TEMPLATE,
-        EOS_TOKEN,
-        PAD_TOKEN,
-        SPECIAL_TOKENS,
-        _write_json,
-    )
+    from mlxmtp.testing.fixtures import EOS_TOKEN, PAD_TOKEN, _write_json, save_tokenizer
 
-    tok.save(str(path / "tokenizer.json"))
-    added = {
-        str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": t in SPECIAL_TOKENS,
-        }
-        for t in SPECIAL_TOKENS + ADDED_TOKENS
-    }
-    _write_json(path / "tokenizer_config.json", {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": EOS_TOKEN,
-        "errors": "replace",
-        "model_max_length": 4096,
-        "pad_token": PAD_TOKEN,
-        "split_special_tokens": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    })
-    _write_json(path / "special_tokens_map.json", {
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-    })
+    save_tokenizer(tok, path)
     eos, pad = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
     _write_json(path / "generation_config.json", {
         "bos_token_id": pad, "pad_token_id": pad, "do_sample": False,

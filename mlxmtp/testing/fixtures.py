@@ -221,9 +221,15 @@ def write_tokenizer(path) -> Path:
     template (tokenizer.json, tokenizer_config.json, special_tokens_map.json)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _build_tokenizer()
-    tok.save(str(path / "tokenizer.json"))
+    save_tokenizer(_build_tokenizer(), path)
+    return path
 
+
+def save_tokenizer(tok, path: Path) -> None:
+    """Save a `tokenizers.Tokenizer` that has Qwen3's special and added tokens as an
+    offline-loadable HF tokenizer folder with the ChatML chat template (also used by
+    scripts/train_demo_model.py for its trained tokenizer)."""
+    tok.save(str(path / "tokenizer.json"))
     added = {}
     for t in SPECIAL_TOKENS + ADDED_TOKENS:
         added[str(tok.token_to_id(t))] = {
@@ -261,7 +267,6 @@ def write_tokenizer(path) -> Path:
             "pad_token": PAD_TOKEN,
         },
     )
-    return path
 
 
 def tokenizer_size() -> int:
