@@ -30,12 +30,13 @@ def _bucket(batch_size: int) -> int:
 
 class DepthPolicy:
     def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, probe_every: int = 24,
-                 window: int = 15, margin: float = 0.05, prior_accept: float = 0.5, prior_weight: float = 2.0):
+                 window: int = 15, margin: float = 0.05, min_samples: int = 3, prior_accept: float = 0.5, prior_weight: float = 2.0):
         self.max_depth = max_depth if fixed is None else fixed
         self.fixed = fixed
         self.probe_every = probe_every
         self.window = window
         self.margin = margin
+        self.min_samples = min_samples
         # Per position: kept / drafted. A weak prior pulls position 1 towards prior_accept
         # and each deeper position towards the estimate of the one before it (conditional
         # acceptance changes slowly with depth), so unexplored depths are neither written
@@ -85,8 +86,9 @@ class DepthPolicy:
         self.cycles += 1
         bucket = _bucket(batch_size)
         measured = self.cost.get(bucket, {})
-        for k in (0, 1):  # calibrate the two anchors first
-            if k not in measured and k <= cap:
+        samples = self.samples.get(bucket, {})
+        for k in (0, 1):  # calibrate the two anchors first, a few cycles each (warm-up outliers)
+            if len(samples.get(k, ())) < self.min_samples and k <= cap:
                 return k
         rates = {k: self.expected_tokens(k) / self._cost(bucket, k) for k in range(cap + 1)}
         rates[0] *= 1 + self.margin

@@ -170,6 +170,7 @@ class BatchGenerator:
         budget = self.prefill_step
         while self.waiting and len(self.rows) < self.max_batch and budget > 0:
             budget -= self._prefill_chunk(self.waiting[0], events, budget)
+            self._steady = False  # prefill time must not be billed to a pipelined decode cycle
         if self.rows:
             self._decode_cycle(events)
         return events
