@@ -292,7 +292,7 @@ class BatchGenerator:
         limit = max(r.req.max_tokens - r.generated - 1 for r in self.rows)
         pinned = [r.req.num_draft for r in self.rows if r.req.num_draft is not None]
         if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
-            return max(0, min(min(pinned), limit, self.policy.max_depth if self.policy.fixed is None else 8))
+            return max(0, min(min(pinned), limit))
         return self.policy.choose(len(self.rows), limit)
 
     def _decode_cycle(self, events: List[Event]) -> None:
@@ -427,8 +427,8 @@ class BatchGenerator:
         row = self.rows[b]
         cache = adapter.extract_cache(self.cache, b)
         head_cache = adapter.extract_cache(self.head_cache, b) if self.head_cache is not None else None
-        # Without the logits after the last consumed token this entry could only seed longer
-        # prompts; give it the distribution that produced the final token is not needed then.
+        # Stored without logits: it only seeds longer prompts (the next turn of a conversation),
+        # which prefill at least one more token anyway.
         toks = row.tokens[:-1]
         pend_t = row.pend_t[:-1] if self.head is not None else []
         pend_h = pending_array(row.pend) if self.head is not None else None
