@@ -230,16 +230,11 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     model_dir = resolve_model_path(str(path_or_hf_id), revision)
     model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy)
     if mtp:
-        try:
-            attachment = attach_mtp(model, model_dir, hidden_state=hidden_state, required=True,
-                                    model_name=str(path_or_hf_id))
-        except MissingMTPHeadError as e:
-            if not mtp_fallback:
-                raise
-            log.warning("MTP disabled: %s", e)
-            attachment = MTPAttachment(text_parts(model), None, None, {}, hidden_state,
-                                       disabled_reason=str(e))
-            object.__setattr__(model, "mtp", attachment)
+        # attach_mtp itself records a missing head as disabled when it is not required.
+        attachment = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,
+                                model_name=str(path_or_hf_id))
+        if not attachment.active:
+            log.warning("MTP disabled: %s", attachment.disabled_reason)
     else:
         object.__setattr__(
             model, "mtp",

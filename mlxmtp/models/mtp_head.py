@@ -10,7 +10,7 @@ head inherits its attention (gated q_proj, q/k norms, partial RoPE) and MLP/MoE.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,12 +74,3 @@ def _force_mlp_kind(layers, parts: TextParts, moe: bool) -> None:
             layer.mlp = MoE(args)
         elif not moe and is_moe:
             layer.mlp = MLP(args.hidden_size, args.intermediate_size)
-
-
-def head_param_shapes(head: nn.Module) -> dict:
-    from mlx.utils import tree_flatten
-
-    return {k: tuple(v.shape) for k, v in tree_flatten(head.parameters())}
-
-
-HeadFactory = Callable[[], MTPHead]
