@@ -1,18 +1,25 @@
 """Single-request decode benchmark: mlx-lm vs mlxmtp (MTP off, k = 1..4, adaptive).
 
-All settings run in ONE process, interleaved round by round, so machine noise hits
-them alike; only ratios are meaningful. Also measures the cost of a (k+1)-token
-forward relative to a 1-token forward, from which the ideal speedup of depth k is
-    ideal(k) = tokens_per_forward(k) / cost(k+1 tokens) * cost(1 token)
+For each model and temperature, all settings run in ONE process, interleaved round by
+round, so machine noise hits them alike; only ratios are meaningful. Also measures the
+cost of a (k+1)-token forward relative to a 1-token forward, from which the ideal speedup
+of depth k over plain decoding is
+    ideal(k) = tokens_per_forward(k) / (cost(k+1 tokens) / cost(1 token))
 and measured/ideal is the engine's efficiency (draft cost and overhead included).
 
-    python bench/decode.py [--model PATH] [--max-tokens 200] [--rounds 3] [--temp 0.0]
+    python bench/decode.py                      # demo model and its 4-bit twin, greedy and temp 0.6
+    python bench/decode.py --models demo --temps 0 --rounds 5 --markdown
+    python bench/decode.py --models /path/to/mlx-model --max-tokens 200
+
+Models: `demo` (the packaged demo model), `demo-4bit` (built by bench/quantized_demo.py
+into a temporary folder), or a path / HF id.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import mlx.core as mx
@@ -20,6 +27,7 @@ import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine import mlx_lm_adapter as adapter
+from mlxmtp.engine.batch import _cache_arrays
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.demo import demo_model_path
@@ -33,18 +41,22 @@ PROMPT = '''def _parse_args(argv):
 
 
 def forward_cost(model, T, context=128, reps=20):
-    """Seconds for one T-token forward at `context` tokens of cache (median)."""
+    """Seconds for one T-token forward at `context` tokens of cache (median). The cache is
+    filled once; after each timed forward the attention caches are trimmed back (the Gated
+    DeltaNet state just moves on: its cost does not depend on its values)."""
     parts = model.mtp.parts
+    cache = adapter.make_cache(parts, 1)
+    logits, _ = adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)
+    mx.eval(logits)
     times = []
-    for _ in range(reps):
-        cache = adapter.make_cache(parts, 1)
-        adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)
-        mx.eval([a for c in cache for a in ([c.keys, c.values] if hasattr(c, "lengths") and not hasattr(c, "cache") else c.cache)])
+    for _ in range(reps + 2):
         t0 = time.perf_counter()
         logits, _ = adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)
-        mx.eval(logits)
+        mx.eval(logits, *_cache_arrays(cache))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for c in adapter.attention_caches(cache):
+            c.trim_rows([T])
+    return statistics.median(times[2:])
 
 
 def run_mlx_lm(ref, tok, prompt, n, temp, seed):
@@ -65,60 +77,122 @@ def run_mlxmtp(model, tok, prompt, n, temp, seed, enable_mtp, k):
         count += len(ev.token_ids)
         if t_first is None:
             t_first = time.perf_counter()
-    s = ev.stats.as_dict()
-    return {"tps": (count - 1) / (time.perf_counter() - t_first), "tokens": count, "stats": s}
+    return {"tps": (count - 1) / (time.perf_counter() - t_first), "tokens": count, "stats": ev.stats.as_dict()}
+
+
+def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False):
+    model, tok = load(path)
+    ref, _ = mlx_lm.load(path)
+    prompt = tok.encode(PROMPT)
+    settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + [(f"mlxmtp k={k}", k) for k in depths] + [
+        ("mlxmtp adaptive", "adaptive")]
+    reps = 5 if quantized else 20
+    c1 = forward_cost(model, 1, reps=reps)
+    cost = {k: forward_cost(model, k + 1, reps=reps) / c1 for k in range(1, 5)}  # adaptive may use any depth
+    for temp in temps:
+        mx.reset_peak_memory()
+        results = {name: [] for name, _ in settings}
+        peak = {}
+        # Warm-up. The adaptive policy's cost calibration belongs to the model (once per
+        # server lifetime, shared by all requests), so it is warmed up like the rest.
+        run_mlx_lm(ref, tok, prompt, 16, temp, 0)
+        run_mlxmtp(model, tok, prompt, 16, temp, 0, True, 1)
+        run_mlxmtp(model, tok, prompt, max_tokens, temp, 0, True, None)
+        for r in range(rounds):
+            # Odd rounds run the settings in reverse order, so a drift of the machine's speed
+            # during a round does not favour the settings that come first.
+            for label, k in (settings if r % 2 == 0 else settings[::-1]):
+                mx.reset_peak_memory()
+                if k is None:
+                    res = run_mlx_lm(ref, tok, prompt, max_tokens, temp, r)
+                elif k == 0:
+                    res = run_mlxmtp(model, tok, prompt, max_tokens, temp, r, False, None)
+                else:
+                    res = run_mlxmtp(model, tok, prompt, max_tokens, temp, r, True, None if k == "adaptive" else k)
+                results[label].append(res)
+                peak[label] = max(peak.get(label, 0), mx.get_peak_memory())
+        print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds} (medians; speedups: of per-round ratios)")
+        print("forward cost relative to 1 token: " + ", ".join(f"T={k + 1}: {v:.2f}x" for k, v in cost.items()))
+        cols = ["setting", "tok/s", "vs mlx-lm", "acceptance by position", "tok/fwd", "ideal", "meas/ideal",
+                "peak MiB"]
+        rows = []
+        for label, k in settings:
+            tps = statistics.median(x["tps"] for x in results[label])
+            # Speedups are medians of per-round ratios (each against the same round's baseline).
+            vs_ref = statistics.median(x["tps"] / y["tps"] for x, y in zip(results[label], results["mlx-lm generate"]))
+            vs_off = statistics.median(x["tps"] / y["tps"] for x, y in zip(results[label], results["mlxmtp MTP off"]))
+            row = [label, f"{tps:.1f}", f"{vs_ref:.2f}x", "", "1.00" if k in (None, 0) else "", "", "",
+                   f"{peak[label] / 2**20:.0f}"]
+            if k not in (None, 0):
+                st = [x["stats"] for x in results[label]]
+                by = _pooled_by_position(st)
+                tpf = statistics.median(s["tokens_per_forward"] for s in st)
+                row[3] = " ".join(f"{a:.2f}" for a in by)
+                row[4] = f"{tpf:.2f}"
+                if k != "adaptive":
+                    ideal = tpf / cost[k]
+                    row[5], row[6] = f"{ideal:.2f}", f"{vs_off / ideal:.2f}"
+                else:
+                    depths_used = {}
+                    for s in st:
+                        for d, n in s["depths"].items():
+                            depths_used[int(d)] = depths_used.get(int(d), 0) + n
+                    row[0] += " (depths used: " + ", ".join(f"{d}:{n}" for d, n in sorted(depths_used.items())) + ")"
+            rows.append(row)
+        _print_table(cols, rows, markdown)
+
+
+def _pooled_by_position(stats):
+    """Acceptance by position over all rounds (kept / reached, pooled)."""
+    out = []
+    for i in range(max(len(s["acceptance_by_position"]) for s in stats)):
+        vals = [s["acceptance_by_position"][i] for s in stats if len(s["acceptance_by_position"]) > i]
+        out.append(statistics.mean(vals))
+    return out
+
+
+def _print_table(cols, rows, markdown):
+    if markdown:
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+        return
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="default: the packaged demo model")
-    ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--models", default="demo,demo-4bit")
+    ap.add_argument("--temps", default="0,0.6")
+    ap.add_argument("--max-tokens", type=int, default=150)
+    ap.add_argument("--max-tokens-quantized", type=int, default=32,
+                    help="for quantized models (MLX's CPU quantized kernels are ~10x slower)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds-quantized", type=int, default=3)
     ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
-
-    path = args.model or str(demo_model_path())
-    model, tok = load(path)
-    ref, _ = mlx_lm.load(path)
-    prompt = tok.encode(PROMPT)
     depths = [int(d) for d in args.depths.split(",")]
-    settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + [(f"mlxmtp k={k}", k) for k in depths] + [
-        ("mlxmtp adaptive", "adaptive")]
-    results = {name: [] for name, _ in settings}
-    # warm-up
-    run_mlx_lm(ref, tok, prompt, 20, args.temp, 0)
-    run_mlxmtp(model, tok, prompt, 20, args.temp, 0, True, 1)
-    for r in range(args.rounds):
-        for name, k in settings:
-            if k is None:
-                results[name].append(run_mlx_lm(ref, tok, prompt, args.max_tokens, args.temp, r))
-            elif k == 0:
-                results[name].append(run_mlxmtp(model, tok, prompt, args.max_tokens, args.temp, r, False, None))
+    temps = [float(t) for t in args.temps.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            if name == "demo":
+                path, quantized = str(demo_model_path()), False
+            elif name == "demo-4bit":
+                from quantized_demo import quantized_demo
+
+                path, quantized = str(quantized_demo(f"{tmp}/demo-4bit", bits=4)), True
             else:
-                results[name].append(run_mlxmtp(model, tok, prompt, args.max_tokens, args.temp, r, True,
-                                                None if k == "adaptive" else k))
-    c1 = forward_cost(model, 1)
-    cost = {k: forward_cost(model, k + 1) / c1 for k in range(1, 5)}  # adaptive may use any depth
-    base = statistics.median(x["tps"] for x in results["mlx-lm generate"])
-    print(f"model: {args.model or 'demo'}   temp={args.temp}   max_tokens={args.max_tokens}   rounds={args.rounds}")
-    print("forward cost relative to 1 token: " + ", ".join(f"T={k + 1}: {v:.2f}x" for k, v in cost.items()))
-    print(f"{'setting':18} {'tok/s':>8} {'vs mlx-lm':>9} {'accept':>7} {'by position':>24} {'tok/fwd':>7} {'ideal':>6} {'meas/ideal':>10}")
-    for name, k in settings:
-        tps = statistics.median(x["tps"] for x in results[name])
-        row = f"{name:18} {tps:8.1f} {tps / base:8.2f}x"
-        if isinstance(k, int) and k > 0 or k == "adaptive":
-            s = results[name][-1]["stats"]
-            by = " ".join(f"{a:.2f}" for a in s["acceptance_by_position"])
-            tpf = s["tokens_per_forward"]
-            depth = k if isinstance(k, int) else max(s["depths"], key=s["depths"].get)
-            ideal = tpf / cost[depth] if depth in cost else tpf
-            mtp_off = statistics.median(x["tps"] for x in results["mlxmtp MTP off"])
-            row += f" {s['acceptance']:7.2f} {by:>24} {tpf:7.2f} {ideal:6.2f} {tps / mtp_off / ideal:10.2f}"
-            if k == "adaptive":
-                row += f"   depths used: {s['depths']}"
-        print(row)
-    print(f"peak memory: {mx.get_peak_memory() / 2**20:.0f} MiB")
+                from mlxmtp.models.load import inspect_model
+
+                path, quantized = name, bool(inspect_model(name).get("quantization"))
+            n = args.max_tokens_quantized if quantized else args.max_tokens
+            rounds = args.rounds_quantized if quantized else args.rounds
+            bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized)
 
 
 if __name__ == "__main__":

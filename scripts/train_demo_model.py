@@ -511,16 +511,27 @@ def cmd_finetune_head(args) -> None:
     train_files, held_files = stdlib_files()
     data = encode_corpus(tok, make_documents(train_files, random.Random(SEED)))
     held = encode_corpus(tok, [read(p) for p in held_files])
+    model.eval()
+    L, B, steps = SEQ_LEN + 2, 2 * BATCH, args.steps
+    # Self-distillation data: what greedy acceptance is measured on is the model's OWN
+    # continuations (more regular than human code), so the head also learns from text the
+    # model generated itself, greedy and at temperature 0.6, from prompts cut out of the
+    # training files (held-out files are only used to evaluate).
+    gen_rng = np.random.default_rng(SEED + 3)
+    own = self_generated(model, data, args.self_generated, gen_rng) if args.self_generated else None
+    own_held = self_generated(model, held, 32, np.random.default_rng(SEED + 4)) if args.self_generated else None
     recurrent_gdn = q35.gated_delta_update
     q35.gated_delta_update = gated_delta_parallel
-    model.eval()
     head.train()
     np_rng = np.random.default_rng(SEED + 2)
-    L, B, steps = SEQ_LEN + 2, 2 * BATCH, args.steps
-    lr0 = 1e-3
+    lr0 = args.lr
     opt = optim.AdamW(learning_rate=lr0, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
 
     def sample(n, arr, gen):
+        if arr.ndim == 2:  # generated sequences: one window per row
+            rows = gen.integers(0, len(arr), size=n)
+            starts = gen.integers(0, arr.shape[1] - L + 1, size=n)
+            return mx.array(np.stack([arr[r, s:s + L] for r, s in zip(rows, starts)]))
         starts = gen.integers(0, len(arr) - L, size=n)
         return mx.array(np.stack([arr[s:s + L] for s in starts]))
 
@@ -537,16 +548,22 @@ def cmd_finetune_head(args) -> None:
 
     value_grad = nn.value_and_grad(head, loss_fn)
     eval_batches = [sample(BATCH, held, np.random.default_rng(SEED + 1)) for _ in range(2)]
+    own_eval = [sample(BATCH, own_held, np.random.default_rng(SEED + 5)) for _ in range(2)] if own is not None else []
 
     def evaluate():
-        return np.mean([loss_fn(head, b, *teacher(b))[1].item() for b in eval_batches])
+        real = np.mean([loss_fn(head, b, *teacher(b))[1].item() for b in eval_batches])
+        gen = np.mean([loss_fn(head, b, *teacher(b))[1].item() for b in own_eval]) if own_eval else float("nan")
+        return real, gen
 
-    print(f"head fine-tune: held-out agree before {evaluate():.3f}", flush=True)
+    print("head fine-tune: held-out agree before (real, generated) %.3f %.3f" % evaluate(), flush=True)
     curve = []
     t0 = time.perf_counter()
     for step in range(steps):
         opt.learning_rate = lr0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        batch = sample(B, data, np_rng)
+        if own is not None:  # half real text, half the model's own continuations
+            batch = mx.concatenate([sample(B // 2, data, np_rng), sample(B - B // 2, own, np_rng)])
+        else:
+            batch = sample(B, data, np_rng)
         h, p = teacher(batch)
         h, p = mx.stop_gradient(h), mx.stop_gradient(p)
         (loss, agree), grads = value_grad(head, batch, h, p)
@@ -557,9 +574,10 @@ def cmd_finetune_head(args) -> None:
             print(f"head step {step:4d} distil {loss.item():.3f} agree {agree.item():.2f} "
                   f"[{time.perf_counter() - t0:.0f}s]", flush=True)
         if step % 100 == 0 or step == steps - 1:
-            ev = evaluate()
-            curve.append({"step": step, "heldout_agree": float(ev)})
-            print(f"  eval head step {step}: held-out agree {ev:.3f}", flush=True)
+            real, gen = evaluate()
+            curve.append({"step": step, "heldout_agree": float(real), "heldout_generated_agree": float(gen)})
+            print(f"  eval head step {step}: held-out agree {real:.3f}, on generated continuations {gen:.3f}",
+                  flush=True)
     q35.gated_delta_update = recurrent_gdn
     head.eval()
     # Rewrite the export with the new mtp.* tensors (HF convention: zero-centred norms - 1).
@@ -579,10 +597,42 @@ def cmd_finetune_head(args) -> None:
     print(f"export check (head): max abs diff {d}", flush=True)
     assert d < 1e-4
     meta = json.loads((out / "training.json").read_text())
-    meta["head_finetune"] = {"steps": steps, "batch": B, "lr": lr0, "seconds": round(time.perf_counter() - t0, 1),
-                             "curve": curve, "loss": "distillation only, backbone frozen"}
+    runs = meta.get("head_finetune", [])
+    runs = runs if isinstance(runs, list) else [runs]
+    runs.append({"steps": steps, "batch": B, "lr": lr0, "seconds": round(time.perf_counter() - t0, 1),
+                 "self_generated_sequences": args.self_generated, "curve": curve,
+                 "loss": "distillation only, backbone frozen"})
+    meta["head_finetune"] = runs
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"done [{time.perf_counter() - t_start:.0f}s]", flush=True)
+
+
+def self_generated(model, arr, n: int, rng, prompt_len: int = 32, new_tokens: int = 224, batch: int = 64):
+    """n continuations by the model itself (half greedy, half temperature 0.6) of prompts cut
+    from `arr` -> int32 [n, prompt_len + new_tokens]. Plain batched decoding with mlx-lm's cache
+    (all rows the same length, so no padding)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out, t0 = [], time.perf_counter()
+    for i in range(0, n, batch):
+        b = min(batch, n - i)
+        starts = rng.integers(0, len(arr) - prompt_len, size=b)
+        toks = mx.array(np.stack([arr[s:s + prompt_len] for s in starts]))
+        temp = mx.array([0.0 if j % 2 == 0 else 0.6 for j in range(b)])[:, None]
+        cache = make_prompt_cache(model)
+        logits = model(toks, cache=cache)[:, -1]
+        seq = [toks]
+        for _ in range(new_tokens):
+            greedy = mx.argmax(logits, -1)
+            sampled = mx.random.categorical(logits / mx.maximum(temp, 1e-6), key=mx.random.key(int(rng.integers(2**31))))
+            y = mx.where(temp[:, 0] > 0, sampled, greedy).astype(mx.int32)[:, None]
+            seq.append(y)
+            logits = model(y, cache=cache)[:, -1]
+            mx.eval(logits)
+        out.append(np.array(mx.concatenate(seq, axis=1)))
+        print(f"self-generated {i + b}/{n} sequences [{time.perf_counter() - t0:.0f}s]", flush=True)
+    return np.concatenate(out)
 
 
 def half_precision_copy(hf: Path, out: Path) -> Path:
@@ -713,6 +763,9 @@ def main(argv=None) -> None:
     f = sub.add_parser("finetune-head")
     f.add_argument("--hf", default="/work/demo_hf_export")
     f.add_argument("--steps", type=int, default=HEAD_STEPS)
+    f.add_argument("--lr", type=float, default=1e-3)
+    f.add_argument("--self-generated", type=int, default=0,
+                   help="also distil on this many continuations generated by the model itself")
     m = sub.add_parser("measure")
     m.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)

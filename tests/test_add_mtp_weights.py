@@ -365,3 +365,16 @@ def test_quantization_dict_rebuilds_shapes(tmp_path, fixture_models):
     shapes = {k: v.shape for k, v in tree_flatten(head.parameters())}
     assert shapes == {k: v.shape for k, v in weights.items()}
     assert head.fc.group_size == 32 and head.layers[0].mlp.gate.group_size == 64
+
+
+def test_mtp_folder_is_readable_like_the_model_files(tmp_path):
+    # mkdtemp makes the staging folder private (0700); a model folder read by another user
+    # (a shared cache, a container) must be able to read the head too.
+    umask = os.umask(0o022)
+    try:
+        info = {"num_layers": 1, "expert_layout": "dense", "num_experts": 0, "moe": False}
+        cfg = mtp_folder.make_head_config(source="x", family="qwen3_5", info=info, quantization=None, dtype="float32")
+        mtp_folder.write_mtp_folder(tmp_path, cfg, {"fc.weight": mx.zeros((2, 4))})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "mtp").stat().st_mode & 0o777 == 0o755

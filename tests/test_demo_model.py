@@ -96,3 +96,17 @@ def test_depth1_greedy_acceptance_on_held_out_code(demo_model):
         assert stats["drafted"] > 0
         accs[name] = stats["acceptance"]
     assert sum(accs.values()) / len(accs) >= 0.6, accs
+
+
+def test_drafter_uses_a_float32_vocabulary_copy_on_the_cpu(demo_model):
+    # The head computes in float32 on the CPU; a float16 table would be cast on every draft
+    # step. The copy must give the same logits as the model's own projection, up to rounding.
+    import mlx.core as mx
+
+    model, _ = demo_model
+    vocab, parts = model.mtp.vocab, model.mtp.parts
+    assert vocab.copied == (mx.default_device() == mx.cpu)
+    h = mx.random.normal((1, 3, parts.args.hidden_size), key=mx.random.key(0))
+    ids = mx.array([[1, 2, 3]])
+    assert mx.allclose(vocab.lm_head(h), parts.lm_head(h.astype(mx.float16)).astype(mx.float32), atol=0.05, rtol=0.01)
+    assert mx.array_equal(vocab.embed_tokens(ids), parts.embed_tokens(ids).astype(mx.float32))

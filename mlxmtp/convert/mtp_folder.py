@@ -85,6 +85,9 @@ def write_mtp_folder(model_dir: Path, config: dict, weights: Dict[str, mx.array]
     if final.exists() and not force:
         raise MTPFolderError(f"{final} already exists (use --force to replace it)")
     tmp = Path(tempfile.mkdtemp(prefix=".mtp-tmp-", dir=model_dir))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the model folder's readers need it too
     try:
         mx.save_safetensors(str(tmp / WEIGHTS), weights, metadata={"format": "mlx"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -2,20 +2,31 @@
 
 Expected tokens from one cycle of depth k, per row, with a_i the probability that
 draft i is kept given drafts 1..i-1 were:  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j.
-The cycle's cost c(k) is measured (wall time, median of the last `window` cycles: a
-shared machine's timings have long tails) per batch size bucket; unmeasured depths are
-extrapolated linearly from c(0) and c(1). k* = argmax E(k) / c(k), where drafting must
-beat plain decoding by `margin` (noise must not buy a slower setting). Every
-`probe_every` cycles the most promising alternative to k* is re-measured so the choice follows changing
-costs and acceptance.
+k* = argmax E(k) / c(k), where c(k) is the cost of a cycle of depth k (per batch size
+bucket) and drafting must beat plain decoding by `margin`, so noise never buys a slower
+setting. c(0) is measured; for k >= 1, c(k) = a + b*k fitted over all measured depths.
 
-On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's
-quantized kernels), E(k)/c(k) < 1/c(0) for every k > 0 and the policy settles on 0:
-never slower than MTP off, up to the few probe cycles.
+Timings on a shared machine drift (another process takes a core and every cycle gets 1.5x
+slower for a while), and the chosen depth is measured far more often than the others. So
+costs are kept in machine-speed-normalised units: `speed` follows recent cycles of
+already-calibrated depths (observed / estimated, smoothed), and each sample is divided by
+it before it enters its depth's window. A probe of another depth taken during a slow
+stretch is then compared fairly with the regime measured during a fast one.
+
+Now and then an alternative depth is re-measured for `burst` cycles (the engine does not
+time the first cycle after a change of mode, which pays for the switch), so the choice
+follows changing costs and acceptance; probes are spaced to cost at most `explore` (1%)
+of the throughput by the current estimates. Acceptance counts decay
+slowly, so a change of content (prose after code) is followed too.
+
+On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's quantized
+kernels), E(k)/c(k) < 1/c(0) for every k > 0 and the policy settles on 0: as fast as MTP
+off, up to the probe cycles.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from typing import Deque, Dict, List, Optional
@@ -29,14 +40,21 @@ def _bucket(batch_size: int) -> int:
 
 
 class DepthPolicy:
-    def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, probe_every: int = 24,
-                 window: int = 15, margin: float = 0.05, min_samples: int = 3, prior_accept: float = 0.5, prior_weight: float = 2.0):
+    def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, explore: float = 0.01,
+                 min_probe_every: int = 10, max_probe_every: int = 200, window: int = 9, margin: float = 0.05, min_samples: int = 3, burst: int = 3,
+                 prior_accept: float = 0.5, prior_weight: float = 2.0, decay: float = 0.998,
+                 speed_alpha: float = 0.15):
         self.max_depth = max_depth if fixed is None else fixed
         self.fixed = fixed
-        self.probe_every = probe_every
+        self.explore = explore
+        self.min_probe_every = min_probe_every
+        self.max_probe_every = max_probe_every
         self.window = window
         self.margin = margin
         self.min_samples = min_samples
+        self.burst = burst
+        self.decay = decay
+        self.speed_alpha = speed_alpha
         # Per position: kept / drafted. A weak prior pulls position 1 towards prior_accept
         # and each deeper position towards the estimate of the one before it (conditional
         # acceptance changes slowly with depth), so unexplored depths are neither written
@@ -45,37 +63,62 @@ class DepthPolicy:
         self.prior_weight = prior_weight
         self.kept = [0.0] * (self.max_depth + 1)
         self.tried = [0.0] * (self.max_depth + 1)
-        self.samples: Dict[int, Dict[int, Deque[float]]] = {}  # bucket -> k -> recent cycle seconds
-        self.cost: Dict[int, Dict[int, float]] = {}  # bucket -> k -> median seconds per cycle
+        self.samples: Dict[int, Dict[int, Deque[float]]] = {}  # bucket -> k -> normalised cycle costs
+        self.cost: Dict[int, Dict[int, float]] = {}  # bucket -> k -> median normalised cost
+        self.log_speed = 0.0  # log(observed / normalised cost), smoothed
         self.cycles = 0
-        self.last_choice = 0
         self.regime = 0  # the depth chosen outside probes
+        self.measured_at: Dict[tuple, int] = {}  # (bucket, k) -> cycle of its last timed sample
+        self._probe: Optional[int] = None
+        self._probe_left = 0
+        self._last_probe = 0
 
-    def acceptance(self) -> List[float]:
+    def acceptance(self, optimistic: bool = False) -> List[float]:
+        """Estimated acceptance per position; `optimistic` adds one standard error (what
+        a position could still turn out to be, given how little it has been tried)."""
         out, prior = [], self.prior_accept
         for i in range(1, self.max_depth + 1):
-            a = (self.kept[i] + prior * self.prior_weight) / (self.tried[i] + self.prior_weight)
-            out.append(a)
+            n = self.tried[i] + self.prior_weight
+            a = (self.kept[i] + prior * self.prior_weight) / n
             prior = a
+            out.append(min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a)
         return out
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, optimistic: bool = False) -> float:
         total, run = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in self.acceptance(optimistic)[:k]:
             run *= a
             total += run
         return total
 
     def _cost(self, bucket: int, k: int) -> Optional[float]:
         c = self.cost.get(bucket, {})
-        if k in c:
-            return c[k]
-        if 0 in c and 1 in c:
-            # Optimistic for unmeasured depths (a verify's cost grows sublinearly in its
-            # tokens): half the per-draft increment after the first; measuring corrects it.
-            step = max(c[1] - c[0], 1e-9)
-            return c[1] + (k - 1) * step * 0.5
-        return None
+        if k == 0:
+            return c.get(0)
+        # Drafting cycles: a + b*k, fitted over every measured depth (weighted by samples).
+        # Each extra draft adds one head step and one verified token, so the cost is close
+        # to linear in k; pooling all depths keeps a depth measured once in a slow moment
+        # from being written off for good, and prices depths never measured.
+        pts = [(d, c[d], len(self.samples[bucket][d])) for d in c if d > 0]
+        if not pts:
+            return None
+        if len({d for d, _, _ in pts}) == 1:
+            d, cd, _ = pts[0]
+            if 0 not in c:
+                return cd
+            # One depth measured: half the per-draft increment from k = 0 to it (optimistic,
+            # a verify grows sublinearly in its tokens); measuring more depths corrects it.
+            slope = max(cd - c[0], 1e-9) / d * 0.5
+            return max(cd + (k - d) * slope, 1e-9)
+        w = sum(n for _, _, n in pts)
+        mk = sum(n * d for d, _, n in pts) / w
+        mc = sum(n * cd for _, cd, n in pts) / w
+        var = sum(n * (d - mk) ** 2 for d, _, n in pts)
+        slope = max(0.0, sum(n * (d - mk) * (cd - mc) for d, cd, n in pts) / var)
+        return max(mc + (k - mk) * slope, 1e-9)
+
+    def _calibrated(self, bucket: int, k: int) -> bool:
+        return len(self.samples.get(bucket, {}).get(k, ())) >= self.min_samples
 
     def choose(self, batch_size: int, limit: Optional[int] = None) -> int:
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
@@ -85,42 +128,66 @@ class DepthPolicy:
             return 0
         self.cycles += 1
         bucket = _bucket(batch_size)
-        measured = self.cost.get(bucket, {})
-        samples = self.samples.get(bucket, {})
-        for k in (0, 1):  # calibrate the two anchors first, a few cycles each (warm-up outliers)
-            if len(samples.get(k, ())) < self.min_samples and k <= cap:
+        if self._probe_left > 0 and self._probe is not None and self._probe <= cap:
+            self._probe_left -= 1
+            return self._probe
+        for k in (0, 1):  # calibrate the two anchors first (the engine skips the switch cycles)
+            if not self._calibrated(bucket, k) and k <= cap:
                 return k
         rates = {k: self.expected_tokens(k) / self._cost(bucket, k) for k in range(cap + 1)}
         rates[0] *= 1 + self.margin
         best = max(rates, key=rates.get)
-        if best not in measured:
-            return best
+        if not self._calibrated(bucket, best):
+            return self._start_probe(best)
         # Stay put unless clearly better: switching has costs of its own (the head catches up
         # on the inputs of a k = 0 stretch; the first plain cycle after drafting is not pipelined).
         cur = self.regime
-        if cur in rates and cur in measured and rates[best] < rates[cur] * (1 + self.margin):
+        if cur in rates and self._calibrated(bucket, cur) and rates[best] < rates[cur] * (1 + self.margin):
             best = cur
         self.regime = best
-        others = {k: r for k, r in rates.items() if k != best}
+        # Probing looks at what the alternatives could be (optimistic acceptance): a depth
+        # tried too rarely to be ruled out is re-measured more often.
+        others = {k: self.expected_tokens(k, optimistic=True) / self._cost(bucket, k)
+                  for k in rates if k != best}
         if others:
-            # Re-measure the most promising alternative, so a change in costs or acceptance
-            # (or an unlucky measurement) is noticed; close calls are re-checked 3x as often.
-            alt = max(others, key=others.get)
-            every = self.probe_every // 3 if others[alt] > 0.85 * rates[best] else self.probe_every
-            if self.cycles % max(every, 1) == 0:
-                return alt
+            # Re-measure an alternative, so a change in costs or acceptance (or an unlucky
+            # measurement) is noticed: the least recently measured of those within 25% of
+            # the best (else the most promising one). Probes are spaced so that they cost at
+            # most `explore` of the throughput: close calls often, clearly worse depths rarely.
+            near = [k for k, r in others.items() if r > 0.75 * rates[best]] or [max(others, key=others.get)]
+            alt = min(near, key=lambda k: self.measured_at.get((bucket, k), -1))
+            # tokens a probe forgoes, relative to what the regime makes in one cycle
+            loss = self.burst * self._cost(bucket, alt) / self._cost(bucket, best) * max(0.0, 1.0 - others[alt] / rates[best])
+            every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
+            if self.cycles - self._last_probe >= every:
+                return self._start_probe(alt)
         return best
 
-    def update(self, k: int, batch_size: int, seconds: float, kept_per_row: List[int]) -> None:
-        """Record one cycle: its depth, wall time, and how many drafts each row kept."""
-        bucket = _bucket(batch_size)
-        window = self.samples.setdefault(bucket, {}).setdefault(k, deque(maxlen=self.window))
-        window.append(seconds)
-        self.cost.setdefault(bucket, {})[k] = statistics.median(window)
-        for kept in kept_per_row:
+    def _start_probe(self, k: int) -> int:
+        self._probe, self._probe_left, self._last_probe = k, self.burst - 1, self.cycles
+        return k
+
+    def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int]) -> None:
+        """Record one cycle: its depth, wall time (None: not timed) and the drafts each row kept."""
+        if k > 0:
             for i in range(1, k + 1):
-                if kept >= i - 1:  # position i was reached
-                    self.tried[i] += 1
-                    if kept >= i:
-                        self.kept[i] += 1
-        self.last_choice = k
+                self.kept[i] *= self.decay
+                self.tried[i] *= self.decay
+            for kept in kept_per_row:
+                for i in range(1, k + 1):
+                    if kept >= i - 1:  # position i was reached
+                        self.tried[i] += 1
+                        if kept >= i:
+                            self.kept[i] += 1
+        if seconds is None or seconds <= 0:
+            return
+        bucket = _bucket(batch_size)
+        if self._calibrated(bucket, k):
+            # Machine speed follows every cycle of a calibrated depth; an outlier moves it
+            # by at most a bounded step.
+            err = math.log(seconds / (self.cost[bucket][k] * math.exp(self.log_speed)))
+            self.log_speed += self.speed_alpha * max(-0.5, min(0.5, err))
+        window = self.samples.setdefault(bucket, {}).setdefault(k, deque(maxlen=self.window))
+        window.append(seconds / math.exp(self.log_speed))
+        self.measured_at[(bucket, k)] = self.cycles
+        self.cost.setdefault(bucket, {})[k] = statistics.median(window)

@@ -74,7 +74,8 @@ class _Cycle:
     hidden: mx.array  # [B, k+1, H] head inputs
     records: list  # Gated DeltaNet per-position states of the verify
     t0: float
-    pipelined: bool
+    pipelined: bool  # its input is the previous cycle's unread token
+    synchronous: bool = False  # evaluated and read in the call that built it
     built: float = 0.0  # graph built (synchronous cycles)
     computed: float = 0.0  # device done (synchronous cycles)
 
@@ -98,6 +99,8 @@ class BatchGenerator:
             self.parts, self.head, self.hidden_state = text_parts(model), None, "post_norm"
         else:
             self.parts, self.head, self.hidden_state = att.parts, att.head, att.hidden_state
+        # What the drafter embeds and projects with (a float32 copy on the CPU for small tables).
+        self.vocab = getattr(att, "vocab", None) or self.parts
         if not enable_mtp:
             self.head = None
         adapter.prepare_model(model)
@@ -133,7 +136,9 @@ class BatchGenerator:
         self.draft_hook = None
         self._inflight: Optional[_Cycle] = None  # a pipelined plain-decoding cycle not read yet
         self._last_finish = 0.0
-        self._steady = False
+        # (mode, batch size) of the previous cycle's finish when the next finish can be timed
+        # as the interval between the two; None after anything that is not a decode cycle.
+        self._timing: Optional[tuple] = None
         self._draft_time = 0.0
 
     # ---------------------------------------------------------------- public, thread-safe
@@ -170,7 +175,7 @@ class BatchGenerator:
         budget = self.prefill_step
         while self.waiting and len(self.rows) < self.max_batch and budget > 0:
             budget -= self._prefill_chunk(self.waiting[0], events, budget)
-            self._steady = False  # prefill time must not be billed to a pipelined decode cycle
+            self._timing = None  # prefill time must not be billed to a decode cycle
         if self.rows:
             self._decode_cycle(events)
         return events
@@ -253,7 +258,7 @@ class BatchGenerator:
             row.pend_t = row.req.prompt[done - nh + 1 : done + len(tokens) + 1]
             n = len(row.pend_t)
             if n:
-                _, rest = head_pass(self.head, self.parts, row.head_cache, [row.pend], [row.pend_t], [n])
+                _, rest = head_pass(self.head, self.vocab, row.head_cache, [row.pend], [row.pend_t], [n])
                 row.pend, row.pend_t = rest[0], []
         mx.eval(logits, *_cache_arrays(row.cache), *(_cache_arrays(row.head_cache) if row.head_cache else []),
                 *[a for a, _, _ in row.pend])
@@ -306,7 +311,7 @@ class BatchGenerator:
         if not pipelined:
             # The caches are evaluated with the tokens: the work is due anyway, and leaving
             # it lazy would bill this cycle's cost to the next one (and skew the depth policy).
-            rec.built = time.perf_counter()
+            rec.built, rec.synchronous = time.perf_counter(), True
             mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
                     *_cache_arrays(self.cache), *(_cache_arrays(self.head_cache) if self.head_cache else []))
             rec.computed = time.perf_counter()
@@ -325,7 +330,9 @@ class BatchGenerator:
         """Emit the cycle still in flight (before the batch changes shape)."""
         if self._inflight is not None:
             rec, self._inflight = self._inflight, None
+            self._timing = None  # read early, so its interval means nothing
             self._finish(rec, events)
+            self._timing = None
 
     def _launch(self, k: int, after: Optional["_Cycle"] = None) -> "_Cycle":
         """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily."""
@@ -338,7 +345,7 @@ class BatchGenerator:
         q_rows: List[Optional[mx.array]] = [None] * B
         records = []
         if k > 0:
-            drafts, q_rows = draft(self.head, self.parts, self.head_cache, [r.pend for r in rows],
+            drafts, q_rows = draft(self.head, self.vocab, self.head_cache, [r.pend for r in rows],
                                    [r.pend_t for r in rows], k, self._picker(rows))
             if self.draft_hook is not None:
                 drafts = self.draft_hook(rows, drafts)
@@ -346,6 +353,9 @@ class BatchGenerator:
                 t = time.perf_counter()
                 mx.eval(drafts, *[q for q in q_rows if q is not None])
                 self._draft_time = time.perf_counter() - t
+            else:
+                # The device computes the drafts while the host builds the verify's graph.
+                mx.async_eval(drafts, *[q for q in q_rows if q is not None])
             inputs = mx.concatenate([ys, drafts], axis=1)
             with gdn_capture.record() as rec:
                 logits, hidden = adapter.forward(self.parts, inputs, self.cache, self.hidden_state)
@@ -392,12 +402,15 @@ class BatchGenerator:
             row.y = row.tokens[-1]
         now = time.perf_counter()
         dt = now - max(rec.t0, self._last_finish)
+        # A cycle's cost for the depth policy is the interval between two finishes of the
+        # same kind (synchronous, or pipelined plain decoding) at the same batch size: it
+        # includes all host work between cycles, alike for both kinds. The first cycle after
+        # a switch of kind (a k = 0 stretch ends: the head catches up; drafting ends: the
+        # first plain cycle is not overlapped) or a prefill is not timed.
+        mode = ("sync" if rec.synchronous else "async", B)
+        self.policy.update(k, B, now - self._last_finish if self._timing == mode else None, kept_l)
+        self._timing = mode
         self._last_finish = now
-        # A pipelined cycle's cost is the interval between two pipelined finishes; the
-        # first one after a synchronous cycle also spans the next launch, so it is not timed.
-        if not rec.pipelined or self._steady:
-            self.policy.update(k, B, dt, kept_l)
-        self._steady = rec.pipelined
         self.cycles += 1
         self.last_depth = k
         device = (rec.computed - rec.built) if rec.computed else 0.0
@@ -417,7 +430,7 @@ class BatchGenerator:
         counts = [len(r.pend_t) - 1 for r in self.rows]
         if max(counts) <= 0:
             return
-        _, rest = head_pass(self.head, self.parts, self.head_cache, [r.pend for r in self.rows],
+        _, rest = head_pass(self.head, self.vocab, self.head_cache, [r.pend for r in self.rows],
                             [r.pend_t for r in self.rows], counts)
         for r, n, left in zip(self.rows, counts, rest):
             r.pend, r.pend_t = left, r.pend_t[n:]

@@ -10,10 +10,11 @@ are dropped after every cycle.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..models.draft_vocab import DraftVocab
 from ..models.family import TextParts
 from ..models.mtp_head import MTPHead
 
@@ -24,6 +25,9 @@ from ..models.mtp_head import MTPHead
 # the head takes that batch array as it is.
 Segment = Tuple[mx.array, Optional[int], int]
 
+# What the drafter needs of the model: args, embed_tokens(ids), lm_head(h) (TextParts, or
+# models.draft_vocab.DraftVocab with float32 copies on the CPU).
+Vocab = Union[TextParts, DraftVocab]
 
 def pending_count(segs: Sequence[Segment]) -> int:
     return sum(n for _, _, n in segs)
@@ -49,7 +53,7 @@ def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]
     return arr[:, :P]
 
 
-def head_pass(head: MTPHead, parts: TextParts, head_cache: list, pend: Sequence[Sequence[Segment]],
+def head_pass(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
               pend_t: Sequence[List[int]], counts: Sequence[int]) -> Tuple[mx.array, List[List[Segment]]]:
     """Consume the first counts[b] pending pairs of every row.
 
@@ -88,7 +92,7 @@ def head_pass(head: MTPHead, parts: TextParts, head_cache: list, pend: Sequence[
     return out, rest
 
 
-def draft(head: MTPHead, parts: TextParts, head_cache: list, pend: Sequence[Sequence[Segment]],
+def draft(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
           pend_t: Sequence[List[int]], k: int, pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
     """Chain k drafts per row from all pending pairs.
 

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..convert import hf_head, mtp_folder
+from .draft_vocab import DraftVocab
 from .family import TextParts, family_of, text_config, text_parts
 from .mtp_head import MTPHead
 
@@ -58,6 +59,7 @@ class MTPAttachment:
     hidden_state: str = "post_norm"
     disabled_reason: Optional[str] = None
     policies: dict = field(default_factory=dict)  # learnt depth policies, shared by engines
+    vocab: Optional[DraftVocab] = None  # embedding / lm_head as the drafter uses them
 
     @property
     def active(self) -> bool:
@@ -208,7 +210,8 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         weights, info, quantization = head_weights(source)
         head = build_head(parts, weights, info, quantization)
         check_norm_convention(parts, head)
-        attachment = MTPAttachment(parts, head, source, info, hidden_state)
+        attachment = MTPAttachment(parts, head, source, info, hidden_state,
+                                   vocab=DraftVocab(parts, compute_dtype=head.fc.weight.dtype if not quantization else None))
     # A plain attribute, not a child module: model.parameters() stays exactly stock mlx-lm's.
     object.__setattr__(model, "mtp", attachment)
     return attachment

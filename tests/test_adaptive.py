@@ -1,0 +1,122 @@
+"""The depth policy against simulated cycles (deterministic: no timing of this machine)."""
+
+import random
+
+import pytest
+
+from mlxmtp.engine.adaptive import DepthPolicy
+
+
+def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1):
+    """Drive a policy with cycles whose cost is cost(k) * speed(i), seen through lognormal
+    noise, and whose drafts are kept with probability accept (i.i.d. per position). Returns
+    the depth chosen per cycle and the tokens per unit of cost (speed factored out)."""
+    rng = random.Random(seed)
+    pol = DepthPolicy()
+    chosen, tokens, seconds = [], 0, 0.0
+    prev = None
+    for i in range(cycles):
+        k = pol.choose(batch)
+        kept = [next((j for j in range(k) if rng.random() >= accept), k) for _ in range(batch)]
+        t = cost(k) * speed(i)
+        # Like the engine: the first cycle after a switch between plain and drafting is not timed.
+        timed = prev is not None and (prev == 0) == (k == 0)
+        pol.update(k, batch, t * rng.lognormvariate(0, noise) if timed else None, kept)  # what it sees is noisy
+        prev = k
+        chosen.append(k)
+        tokens += sum(kept) + batch
+        seconds += t / speed(i)  # throughput in the machine's units of the moment
+    return chosen, tokens / seconds
+
+
+def best_rate(cost, accept, max_depth=4):
+    rates = {k: sum(accept**i for i in range(k + 1)) / cost(k) for k in range(max_depth + 1)}
+    return max(rates, key=rates.get), rates
+
+
+@pytest.mark.parametrize("accept,slope", [(0.75, 0.3), (0.6, 0.2), (0.9, 0.15)])
+def test_settles_near_the_best_depth(accept, slope):
+    cost = lambda k: 1.0 + slope * k  # noqa: E731
+    k_best, rates = best_rate(cost, accept)
+    chosen, tps = simulate(cost, accept)
+    tail = chosen[200:]
+    assert max(set(tail), key=tail.count) == k_best or rates[max(set(tail), key=tail.count)] > 0.97 * rates[k_best]
+    assert tps > 0.93 * rates[k_best]
+
+
+def test_falls_back_to_plain_decoding_when_drafts_never_pay():
+    cost = lambda k: 1.0 + 1.0 * k  # noqa: E731  (a verify of k+1 tokens costs k+1 steps)
+    chosen, tps = simulate(cost, accept=0.1)
+    tail = chosen[100:]
+    assert tail.count(0) / len(tail) > 0.9
+    assert tps > 0.97 * 1.0  # plain decoding: 1 token per unit of cost
+
+
+def test_a_slow_stretch_of_the_machine_does_not_flip_the_choice():
+    # The machine is 1.8x slower for cycles 150-400 (another process took a core):
+    # probes taken then must not make drafting look worse than plain decoding did before.
+    cost = lambda k: 1.0 + 0.25 * k  # noqa: E731
+    k_best, rates = best_rate(cost, 0.75)
+    chosen, _ = simulate(cost, 0.75, cycles=600, speed=lambda i: 1.8 if 150 <= i < 400 else 1.0, seed=3)
+    for part in (chosen[100:150], chosen[160:400], chosen[410:]):
+        # the expected rate of the depths chosen, at the machine's speed of the moment
+        assert sum(rates[k] for k in part) / len(part) > 0.95 * rates[k_best]
+        assert part.count(0) <= 3  # a probe at most, never a switch to plain decoding
+
+
+def test_acceptance_changes_are_followed():
+    # The head is good for 300 cycles and useless after (a change of content): k drops to 0.
+    pol = DepthPolicy()
+    rng = random.Random(1)
+    cost = lambda k: 1.0 + 0.3 * k  # noqa: E731
+    chosen, prev = [], None
+    for i in range(900):
+        accept = 0.8 if i < 300 else 0.05
+        k = pol.choose(1)
+        kept = [next((j for j in range(k) if rng.random() >= accept), k)]
+        pol.update(k, 1, cost(k) * rng.lognormvariate(0, 0.05) if prev is not None and (prev == 0) == (k == 0) else None, kept)
+        prev = k
+        chosen.append(k)
+    assert sum(1 for k in chosen[200:300] if k >= 2) > 60
+    assert chosen[700:].count(0) > 80
+
+
+def test_fixed_depth_is_never_changed():
+    pol = DepthPolicy(fixed=2)
+    assert {pol.choose(1) for _ in range(50)} == {2}
+    assert pol.choose(1, limit=1) == 1
+
+
+class _Scripted:
+    """Stands in for the depth policy: fixed depths, and records what the engine reports."""
+
+    def __init__(self, depths):
+        self.depths, self.calls = list(depths), []
+
+    def choose(self, batch_size, limit=None):
+        return min(self.depths.pop(0) if self.depths else 0, limit if limit is not None else 8)
+
+    def update(self, k, batch_size, seconds, kept_per_row):
+        self.calls.append((k, seconds is not None))
+
+
+def test_engine_times_cycles_only_between_two_of_the_same_kind(fixture_model):
+    # A cycle's cost is the interval since the previous finish, so it is only reported when
+    # that finish was of the same kind (pipelined plain / synchronous drafting) at the same
+    # batch size: the prefill, a switch of kind and an early read (drain) are not billed.
+    from engine_helpers import loaded, prompt_of
+
+    from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.request import Request
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok)
+    eng.policy = _Scripted([0, 0, 0, 0, 2, 2, 2, 0, 0, 0, 0])
+    eng.submit(Request(prompt=prompt_of(12), max_tokens=40))
+    while eng.has_work:
+        eng.step()
+    calls = eng.policy.calls
+    assert [k for k, _ in calls[:10]] == [0, 0, 0, 0, 2, 2, 2, 0, 0, 0]
+    # plain #1 follows the prefill; plain #4 is drained when drafting starts; drafting #1
+    # follows that drain; plain #1 after drafting follows a synchronous cycle.
+    assert [t for _, t in calls[:10]] == [False, True, True, False, False, True, True, False, True, True]
