@@ -66,7 +66,7 @@ def run(model, tok, n, max_tokens, mtp):
         "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
         "acceptance": statistics.mean(acc) if acc else 0.0,
         "mean_batch": statistics.mean(batch_sizes) if batch_sizes else 0,
-        "depth": eng.policy.last_choice if mtp else 0,
+        "depth": eng.last_depth if mtp else 0,
     }
 
 
