@@ -41,7 +41,7 @@ def _bucket(batch_size: int) -> int:
 
 class DepthPolicy:
     def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, explore: float = 0.01,
-                 min_probe_every: int = 10, max_probe_every: int = 200, window: int = 9, margin: float = 0.05, min_samples: int = 3, burst: int = 3,
+                 min_probe_every: int = 20, max_probe_every: int = 200, window: int = 9, margin: float = 0.05, min_samples: int = 3, burst: int = 3,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, decay: float = 0.998,
                  speed_alpha: float = 0.15):
         self.max_depth = max_depth if fixed is None else fixed
