@@ -41,7 +41,7 @@ def _bucket(batch_size: int) -> int:
 
 class DepthPolicy:
     def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, explore: float = 0.01,
-                 min_probe_every: int = 20, max_probe_every: int = 200, window: int = 9, margin: float = 0.05, min_samples: int = 3, burst: int = 3,
+                 min_probe_every: int = 20, max_probe_every: int = 2000, window: int = 9, margin: float = 0.05, min_samples: int = 3, burst: int = 3,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, decay: float = 0.998,
                  speed_alpha: float = 0.15):
         self.max_depth = max_depth if fixed is None else fixed
@@ -157,7 +157,8 @@ class DepthPolicy:
             near = [k for k, r in others.items() if r > 0.75 * rates[best]] or [max(others, key=others.get)]
             alt = min(near, key=lambda k: self.measured_at.get((bucket, k), -1))
             # tokens a probe forgoes, relative to what the regime makes in one cycle
-            loss = self.burst * self._cost(bucket, alt) / self._cost(bucket, best) * max(0.0, 1.0 - others[alt] / rates[best])
+            # (with the mean estimate: optimism picks what to probe, not how often)
+            loss = self.burst * self._cost(bucket, alt) / self._cost(bucket, best) * max(0.0, 1.0 - rates[alt] / rates[best])
             every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if self.cycles - self._last_probe >= every:
                 return self._start_probe(alt)
