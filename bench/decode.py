@@ -27,7 +27,6 @@ import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine import mlx_lm_adapter as adapter
-from mlxmtp.engine.batch import _cache_arrays
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.demo import demo_model_path
@@ -52,7 +51,7 @@ def forward_cost(model, T, context=128, reps=20):
     for _ in range(reps + 2):
         t0 = time.perf_counter()
         logits, _ = adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)
-        mx.eval(logits, *_cache_arrays(cache))
+        mx.eval(logits, *adapter.cache_arrays(cache))
         times.append(time.perf_counter() - t0)
         for c in adapter.attention_caches(cache):
             c.trim_rows([T])
@@ -143,7 +142,7 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
 
 
 def _pooled_by_position(stats):
-    """Acceptance by position over all rounds (kept / reached, pooled)."""
+    """Acceptance by position, the mean over rounds of each round's rate."""
     out = []
     for i in range(max(len(s["acceptance_by_position"]) for s in stats)):
         vals = [s["acceptance_by_position"][i] for s in stats if len(s["acceptance_by_position"]) > i]

@@ -9,15 +9,17 @@ from mlxmtp.engine.adaptive import DepthPolicy
 
 def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1):
     """Drive a policy with cycles whose cost is cost(k) * speed(i), seen through lognormal
-    noise, and whose drafts are kept with probability accept (i.i.d. per position). Returns
-    the depth chosen per cycle and the tokens per unit of cost (speed factored out)."""
+    noise, and whose drafts are kept with probability accept (i.i.d. per position; a
+    function of the cycle for changing content). Returns the depth chosen per cycle and the
+    tokens per unit of cost (speed factored out)."""
     rng = random.Random(seed)
     pol = DepthPolicy()
     chosen, tokens, seconds = [], 0, 0.0
     prev = None
     for i in range(cycles):
         k = pol.choose(batch)
-        kept = [next((j for j in range(k) if rng.random() >= accept), k) for _ in range(batch)]
+        a = accept(i) if callable(accept) else accept
+        kept = [next((j for j in range(k) if rng.random() >= a), k) for _ in range(batch)]
         t = cost(k) * speed(i)
         # Like the engine: the first cycle after a switch between plain and drafting is not timed.
         timed = prev is not None and (prev == 0) == (k == 0)
@@ -66,17 +68,7 @@ def test_a_slow_stretch_of_the_machine_does_not_flip_the_choice():
 
 def test_acceptance_changes_are_followed():
     # The head is good for 300 cycles and useless after (a change of content): k drops to 0.
-    pol = DepthPolicy()
-    rng = random.Random(1)
-    cost = lambda k: 1.0 + 0.3 * k  # noqa: E731
-    chosen, prev = [], None
-    for i in range(900):
-        accept = 0.8 if i < 300 else 0.05
-        k = pol.choose(1)
-        kept = [next((j for j in range(k) if rng.random() >= accept), k)]
-        pol.update(k, 1, cost(k) * rng.lognormvariate(0, 0.05) if prev is not None and (prev == 0) == (k == 0) else None, kept)
-        prev = k
-        chosen.append(k)
+    chosen, _ = simulate(lambda k: 1.0 + 0.3 * k, lambda i: 0.8 if i < 300 else 0.05, cycles=900, noise=0.05, seed=1)
     assert sum(1 for k in chosen[200:300] if k >= 2) > 60
     assert chosen[700:].count(0) > 80
 

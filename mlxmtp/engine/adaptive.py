@@ -8,7 +8,7 @@ setting. c(0) is measured; for k >= 1, c(k) = a + b*k fitted over all measured d
 
 Timings on a shared machine drift (another process takes a core and every cycle gets 1.5x
 slower for a while), and the chosen depth is measured far more often than the others. So
-costs are kept in machine-speed-normalised units: `speed` follows recent cycles of
+costs are kept in machine-speed-normalised units: `log_speed` follows recent cycles of
 already-calibrated depths (observed / estimated, smoothed), and each sample is divided by
 it before it enters its depth's window. A probe of another depth taken during a slow
 stretch is then compared fairly with the regime measured during a fast one.
@@ -128,13 +128,14 @@ class DepthPolicy:
             return 0
         self.cycles += 1
         bucket = _bucket(batch_size)
-        if self._probe_left > 0 and self._probe is not None and self._probe <= cap:
+        if self._probe_left > 0 and self._probe <= cap:
             self._probe_left -= 1
             return self._probe
         for k in (0, 1):  # calibrate the two anchors first (the engine skips the switch cycles)
             if not self._calibrated(bucket, k) and k <= cap:
                 return k
-        rates = {k: self.expected_tokens(k) / self._cost(bucket, k) for k in range(cap + 1)}
+        costs = {k: self._cost(bucket, k) for k in range(cap + 1)}  # one fit per cycle
+        rates = {k: self.expected_tokens(k) / costs[k] for k in costs}
         rates[0] *= 1 + self.margin
         best = max(rates, key=rates.get)
         if not self._calibrated(bucket, best):
@@ -147,8 +148,7 @@ class DepthPolicy:
         self.regime = best
         # Probing looks at what the alternatives could be (optimistic acceptance): a depth
         # tried too rarely to be ruled out is re-measured more often.
-        others = {k: self.expected_tokens(k, optimistic=True) / self._cost(bucket, k)
-                  for k in rates if k != best}
+        others = {k: self.expected_tokens(k, optimistic=True) / costs[k] for k in rates if k != best}
         if others:
             # Re-measure an alternative, so a change in costs or acceptance (or an unlucky
             # measurement) is noticed: the least recently measured of those within 25% of
@@ -158,7 +158,7 @@ class DepthPolicy:
             alt = min(near, key=lambda k: self.measured_at.get((bucket, k), -1))
             # tokens a probe forgoes, relative to what the regime makes in one cycle
             # (with the mean estimate: optimism picks what to probe, not how often)
-            loss = self.burst * self._cost(bucket, alt) / self._cost(bucket, best) * max(0.0, 1.0 - rates[alt] / rates[best])
+            loss = self.burst * costs[alt] / costs[best] * max(0.0, 1.0 - rates[alt] / rates[best])
             every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if self.cycles - self._last_probe >= every:
                 return self._start_probe(alt)

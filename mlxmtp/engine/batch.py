@@ -260,7 +260,7 @@ class BatchGenerator:
             if n:
                 _, rest = head_pass(self.head, self.vocab, row.head_cache, [row.pend], [row.pend_t], [n])
                 row.pend, row.pend_t = rest[0], []
-        mx.eval(logits, *_cache_arrays(row.cache), *(_cache_arrays(row.head_cache) if row.head_cache else []),
+        mx.eval(logits, *adapter.cache_arrays(row.cache), *(adapter.cache_arrays(row.head_cache) if row.head_cache else []),
                 *[a for a, _, _ in row.pend])
         return logits
 
@@ -313,7 +313,7 @@ class BatchGenerator:
             # it lazy would bill this cycle's cost to the next one (and skew the depth policy).
             rec.built, rec.synchronous = time.perf_counter(), True
             mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
-                    *_cache_arrays(self.cache), *(_cache_arrays(self.head_cache) if self.head_cache else []))
+                    *adapter.cache_arrays(self.cache), *(adapter.cache_arrays(self.head_cache) if self.head_cache else []))
             rec.computed = time.perf_counter()
             self._finish(rec, events)
             return
@@ -583,13 +583,3 @@ def _find_stop(text: str, stops: List[str]) -> Optional[int]:
 def _token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]
-
-
-def _cache_arrays(cache: list) -> List[mx.array]:
-    out = []
-    for c in cache:
-        if hasattr(c, "cache"):  # ArraysCache (Gated DeltaNet)
-            out += [a for a in c.cache if a is not None]
-        elif getattr(c, "keys", None) is not None:  # attention KV
-            out += [c.keys, c.values]
-    return out

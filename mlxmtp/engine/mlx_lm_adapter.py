@@ -136,5 +136,16 @@ def copy_cache(cache: list) -> list:
     return out
 
 
+def cache_arrays(cache: list) -> List[mx.array]:
+    """Every array a cache holds (what to evaluate so its state is materialised)."""
+    out = []
+    for c in cache:
+        if isinstance(c, ArraysCache):  # Gated DeltaNet
+            out += [a for a in c.cache if a is not None]
+        elif c.keys is not None:  # attention KV
+            out += [c.keys, c.values]
+    return out
+
+
 def cache_nbytes(cache: list) -> int:
     return sum(c.nbytes for c in cache)

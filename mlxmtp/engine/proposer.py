@@ -29,6 +29,7 @@ Segment = Tuple[mx.array, Optional[int], int]
 # models.draft_vocab.DraftVocab with float32 copies on the CPU).
 Vocab = Union[TextParts, DraftVocab]
 
+
 def pending_count(segs: Sequence[Segment]) -> int:
     return sum(n for _, _, n in segs)
 
@@ -53,7 +54,7 @@ def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]
     return arr[:, :P]
 
 
-def head_pass(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
+def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
               pend_t: Sequence[List[int]], counts: Sequence[int]) -> Tuple[mx.array, List[List[Segment]]]:
     """Consume the first counts[b] pending pairs of every row.
 
@@ -62,7 +63,7 @@ def head_pass(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequ
     hides it) and is trimmed from the head cache right after.
     """
     P = max(counts)
-    H = parts.args.hidden_size
+    H = vocab.args.hidden_size
     toks = [list(t[:n]) + [0] * (P - n) for t, n in zip(pend_t, counts)]
     hid = _batch_view(pend, P)
     rest: List[List[Segment]] = []
@@ -85,14 +86,14 @@ def head_pass(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequ
             arr, _, total = segs[0]
             if total > n:
                 rest[b] = [(arr[b, n:total], None, total - n)]
-    emb = parts.embed_tokens(mx.array(toks))
+    emb = vocab.embed_tokens(mx.array(toks))
     out = head(emb, hid.astype(emb.dtype) if hid.dtype != emb.dtype else hid, head_cache)
     for c in head_cache:
         c.trim_rows([P - n for n in counts])
     return out, rest
 
 
-def draft(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
+def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
           pend_t: Sequence[List[int]], k: int, pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
     """Chain k drafts per row from all pending pairs.
 
@@ -101,15 +102,15 @@ def draft(head: MTPHead, parts: Vocab, head_cache: list, pend: Sequence[Sequence
     Returns drafts [B, k] and per row the q log-probabilities [k, V] (None when greedy).
     """
     counts = [len(t) for t in pend_t]
-    g, _ = head_pass(head, parts, head_cache, pend, pend_t, counts)
+    g, _ = head_pass(head, vocab, head_cache, pend, pend_t, counts)
     B = g.shape[0]
     g = g[mx.arange(B), mx.array(counts) - 1][:, None, :]  # each row's last real position
     drafts: List[mx.array] = []
     qs: List[List[mx.array]] = [[] for _ in range(B)]
     for step in range(k):
         if step:
-            g = head(parts.embed_tokens(drafts[-1][:, None]), g, head_cache)
-        logits = parts.lm_head(g)[:, 0, :]
+            g = head(vocab.embed_tokens(drafts[-1][:, None]), g, head_cache)
+        logits = vocab.lm_head(g)[:, 0, :]
         so_far = mx.stack(drafts, axis=1) if drafts else mx.zeros((B, 0), dtype=mx.int32)
         tok, q = pick(step, logits, so_far)
         drafts.append(tok.astype(mx.int32))
