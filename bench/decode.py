@@ -1,7 +1,9 @@
 """Single-request decode benchmark: mlx-lm vs mlxmtp (MTP off, k = 1..4, adaptive).
 
 For each model and temperature, all settings run in ONE process, interleaved round by
-round, so machine noise hits them alike; only ratios are meaningful. Also measures the
+round, and every mlxmtp run is compared with the mean of the two mlx-lm runs just before
+and after it (this shared machine's speed drifts within seconds); only ratios are
+meaningful, and the table gives their median and range over the rounds. Also measures the
 cost of a (k+1)-token forward relative to a 1-token forward, from which the ideal speedup
 of depth k over plain decoding is
     ideal(k) = tokens_per_forward(k) / (cost(k+1 tokens) / cost(1 token))
@@ -97,40 +99,49 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
         run_mlx_lm(ref, tok, prompt, 16, temp, 0)
         run_mlxmtp(model, tok, prompt, 16, temp, 0, True, 1)
         run_mlxmtp(model, tok, prompt, max_tokens, temp, 0, True, None)
+        ours = [(label, k) for label, k in settings if k is not None]
+        ref_label = settings[0][0]
+        paired = {label: [] for label, _ in ours}  # per round: tok/s / mean of the mlx-lm runs beside it
         for r in range(rounds):
-            # Odd rounds run the settings in reverse order, so a drift of the machine's speed
-            # during a round does not favour the settings that come first.
-            for label, k in (settings if r % 2 == 0 else settings[::-1]):
+            # Every mlxmtp run sits between two mlx-lm runs and is compared with their mean:
+            # this machine's speed drifts by tens of percent within seconds, so a baseline
+            # measured a whole round away would mostly measure the drift. Odd rounds run the
+            # settings in reverse order, so a drift during a round favours none of them.
+            before = _run(ref, model, tok, prompt, max_tokens, temp, r, None)
+            results[ref_label].append(before)
+            for label, k in (ours if r % 2 == 0 else ours[::-1]):
                 mx.reset_peak_memory()
-                if k is None:
-                    res = run_mlx_lm(ref, tok, prompt, max_tokens, temp, r)
-                elif k == 0:
-                    res = run_mlxmtp(model, tok, prompt, max_tokens, temp, r, False, None)
-                else:
-                    res = run_mlxmtp(model, tok, prompt, max_tokens, temp, r, True, None if k == "adaptive" else k)
-                results[label].append(res)
+                res = _run(ref, model, tok, prompt, max_tokens, temp, r, k)
                 peak[label] = max(peak.get(label, 0), mx.get_peak_memory())
-        print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds} (medians; speedups: of per-round ratios)")
+                mx.reset_peak_memory()
+                after = _run(ref, model, tok, prompt, max_tokens, temp, r, None)
+                peak[ref_label] = max(peak.get(ref_label, 0), mx.get_peak_memory())
+                results[label].append(res)
+                results[ref_label].append(after)
+                paired[label].append(res["tps"] / ((before["tps"] + after["tps"]) / 2))
+                before = after
+        print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds} "
+              "(medians; speedups: of each run against the mean of the two mlx-lm runs beside it)")
         print("forward cost relative to 1 token: " + ", ".join(f"T={k + 1}: {v:.2f}x" for k, v in cost.items()))
-        cols = ["setting", "tok/s", "vs mlx-lm", "acceptance by position", "tok/fwd", "ideal", "meas/ideal",
+        cols = ["setting", "tok/s", "vs mlx-lm", "range", "acceptance by position", "tok/fwd", "ideal", "meas/ideal",
                 "peak MiB"]
         rows = []
         for label, k in settings:
             tps = statistics.median(x["tps"] for x in results[label])
-            # Speedups are medians of per-round ratios (each against the same round's baseline).
-            vs_ref = statistics.median(x["tps"] / y["tps"] for x, y in zip(results[label], results["mlx-lm generate"]))
+            ratios = paired.get(label, [1.0])
+            vs_ref = statistics.median(ratios)
             vs_off = statistics.median(x["tps"] / y["tps"] for x, y in zip(results[label], results["mlxmtp MTP off"]))
-            row = [label, f"{tps:.1f}", f"{vs_ref:.2f}x", "", "1.00" if k in (None, 0) else "", "", "",
-                   f"{peak[label] / 2**20:.0f}"]
+            row = [label, f"{tps:.1f}", f"{vs_ref:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}" if label in paired else "",
+                   "", "1.00" if k in (None, 0) else "", "", "", f"{peak[label] / 2**20:.0f}"]
             if k not in (None, 0):
                 st = [x["stats"] for x in results[label]]
                 by = _pooled_by_position(st)
                 tpf = statistics.median(s["tokens_per_forward"] for s in st)
-                row[3] = " ".join(f"{a:.2f}" for a in by)
-                row[4] = f"{tpf:.2f}"
+                row[4] = " ".join(f"{a:.2f}" for a in by)
+                row[5] = f"{tpf:.2f}"
                 if k != "adaptive":
                     ideal = tpf / cost[k]
-                    row[5], row[6] = f"{ideal:.2f}", f"{vs_off / ideal:.2f}"
+                    row[6], row[7] = f"{ideal:.2f}", f"{vs_off / ideal:.2f}"
                 else:
                     depths_used = {}
                     for s in st:
@@ -139,6 +150,15 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
                     row[0] += " (depths used: " + ", ".join(f"{d}:{n}" for d, n in sorted(depths_used.items())) + ")"
             rows.append(row)
         _print_table(cols, rows, markdown)
+
+
+def _run(ref, model, tok, prompt, max_tokens, temp, seed, k):
+    """One request: mlx-lm (k None), mlxmtp MTP off (0), a pinned depth, or "adaptive"."""
+    if k is None:
+        return run_mlx_lm(ref, tok, prompt, max_tokens, temp, seed)
+    if k == 0:
+        return run_mlxmtp(model, tok, prompt, max_tokens, temp, seed, False, None)
+    return run_mlxmtp(model, tok, prompt, max_tokens, temp, seed, True, None if k == "adaptive" else k)
 
 
 def _pooled_by_position(stats):
@@ -170,7 +190,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=150)
     ap.add_argument("--max-tokens-quantized", type=int, default=32,
                     help="for quantized models (MLX's CPU quantized kernels are ~10x slower)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--rounds-quantized", type=int, default=3)
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--markdown", action="store_true")

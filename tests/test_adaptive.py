@@ -73,6 +73,17 @@ def test_acceptance_changes_are_followed():
     assert chosen[700:].count(0) > 80
 
 
+def test_a_bad_start_does_not_write_deeper_depths_off():
+    # Demo-like costs (a drafting cycle is dearer than a plain one, each extra draft adds
+    # less); the content is hard for the head at first (acceptance 0.3), then easy (0.8).
+    # The few deep drafts tried in the bad stretch must not keep the policy at k <= 1 for
+    # good: at 0.8, k = 2 or 3 make ~10% more than k = 1.
+    cost = lambda k: [1.0, 1.49, 1.83, 2.2, 2.6][k]  # noqa: E731
+    chosen, _ = simulate(cost, lambda i: 0.3 if i < 80 else 0.8, cycles=700, noise=0.1, seed=2)
+    tail = chosen[300:]
+    assert sum(1 for k in tail if k >= 2) / len(tail) > 0.7
+
+
 def test_fixed_depth_is_never_changed():
     pol = DepthPolicy(fixed=2)
     assert {pol.choose(1) for _ in range(50)} == {2}

@@ -4,7 +4,8 @@ Expected tokens from one cycle of depth k, per row, with a_i the probability tha
 draft i is kept given drafts 1..i-1 were:  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j.
 k* = argmax E(k) / c(k), where c(k) is the cost of a cycle of depth k (per batch size
 bucket) and drafting must beat plain decoding by `margin`, so noise never buys a slower
-setting. c(0) is measured; for k >= 1, c(k) = a + b*k fitted over all measured depths.
+setting. E(k) is computed with optimistic acceptance (one standard error up: a bandit's
+upper confidence bound), so a depth is not written off on a few unlucky drafts. c(0) is measured; for k >= 1, c(k) = a + b*k fitted over all measured depths.
 
 Timings on a shared machine drift (another process takes a core and every cycle gets 1.5x
 slower for a while), and the chosen depth is measured far more often than the others. So
@@ -71,7 +72,9 @@ class DepthPolicy:
         self.measured_at: Dict[tuple, int] = {}  # (bucket, k) -> cycle of its last timed sample
         self._probe: Optional[int] = None
         self._probe_left = 0
+        self._probe_gap = False  # the next cycle of a probe burst is a regime cycle
         self._last_probe = 0
+        self._regime_sample: Optional[tuple] = None  # (bucket, k, seconds, cycle) of the last timed regime cycle
 
     def acceptance(self, optimistic: bool = False) -> List[float]:
         """Estimated acceptance per position; `optimistic` adds one standard error (what
@@ -129,13 +132,23 @@ class DepthPolicy:
         self.cycles += 1
         bucket = _bucket(batch_size)
         if self._probe_left > 0 and self._probe <= cap:
+            if self._probe_gap and self.regime <= cap:
+                self._probe_gap = False
+                return self.regime
             self._probe_left -= 1
+            self._probe_gap = self._probe > 0 and self.regime > 0
             return self._probe
         for k in (0, 1):  # calibrate the two anchors first (the engine skips the switch cycles)
             if not self._calibrated(bucket, k) and k <= cap:
                 return k
         costs = {k: self._cost(bucket, k) for k in range(cap + 1)}  # one fit per cycle
-        rates = {k: self.expected_tokens(k) / costs[k] for k in costs}
+        # The regime is chosen by what each depth could still be (optimistic acceptance, an
+        # upper confidence bound): a depth whose deeper positions were tried a few times, in
+        # a bad stretch, is otherwise written off for good (only its own cycles measure
+        # them). Chosen, it is measured every cycle and its bound tightens within a few
+        # cycles if it was not that good. Where verifying costs ~(k+1) steps (this CPU's
+        # quantized kernels), even acceptance 1.0 does not pay and the bound changes nothing.
+        rates = {k: self.expected_tokens(k, optimistic=True) / costs[k] for k in costs}
         rates[0] *= 1 + self.margin
         best = max(rates, key=rates.get)
         if not self._calibrated(bucket, best):
@@ -146,32 +159,37 @@ class DepthPolicy:
         if cur in rates and self._calibrated(bucket, cur) and rates[best] < rates[cur] * (1 + self.margin):
             best = cur
         self.regime = best
-        # Probing looks at what the alternatives could be (optimistic acceptance): a depth
-        # tried too rarely to be ruled out is re-measured more often.
-        others = {k: self.expected_tokens(k, optimistic=True) / costs[k] for k in rates if k != best}
+        # Probes re-measure costs: a change in costs (or an unlucky measurement) is noticed.
+        others = {k: r for k, r in rates.items() if k != best}
         if others:
-            # Re-measure an alternative, so a change in costs or acceptance (or an unlucky
-            # measurement) is noticed: the least recently measured of those within 25% of
-            # the best (else the most promising one). Probes are spaced so that they cost at
-            # most `explore` of the throughput: close calls often, clearly worse depths rarely.
+            # The least recently measured of the depths within 25% of the best (else the
+            # most promising one). Probes are spaced so that they cost at most `explore` of
+            # the throughput: close calls often, clearly worse depths rarely.
             near = [k for k, r in others.items() if r > 0.75 * rates[best]] or [max(others, key=others.get)]
             alt = min(near, key=lambda k: self.measured_at.get((bucket, k), -1))
             # tokens a probe forgoes, relative to what the regime makes in one cycle
             # (with the mean estimate: optimism picks what to probe, not how often)
-            loss = self.burst * costs[alt] / costs[best] * max(0.0, 1.0 - rates[alt] / rates[best])
+            mean = {d: self.expected_tokens(d) / costs[d] for d in (alt, best)}
+            loss = self.burst * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
             every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if self.cycles - self._last_probe >= every:
                 return self._start_probe(alt)
         return best
 
     def _start_probe(self, k: int) -> int:
+        # Between drafting depths (no switch of mode) the probe's cycles alternate with the
+        # regime's, so that each is timed right after a regime cycle (see update).
         self._probe, self._probe_left, self._last_probe = k, self.burst - 1, self.cycles
+        self._probe_gap = k > 0 and self.regime > 0
         return k
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int]) -> None:
         """Record one cycle: its depth, wall time (None: not timed) and the drafts each row kept."""
         if k > 0:
-            for i in range(1, k + 1):
+            # Every position forgets at the same pace, drafted this cycle or not: what was
+            # learnt of a depth long unused grows uncertain again (and is re-explored when
+            # that could pay), instead of a few early samples deciding for good.
+            for i in range(1, self.max_depth + 1):
                 self.kept[i] *= self.decay
                 self.tried[i] *= self.decay
             for kept in kept_per_row:
@@ -183,12 +201,24 @@ class DepthPolicy:
         if seconds is None or seconds <= 0:
             return
         bucket = _bucket(batch_size)
-        if self._calibrated(bucket, k):
-            # Machine speed follows every cycle of a calibrated depth; an outlier moves it
-            # by at most a bounded step.
-            err = math.log(seconds / (self.cost[bucket][k] * math.exp(self.log_speed)))
-            self.log_speed += self.speed_alpha * max(-0.5, min(0.5, err))
+        last = self._regime_sample
+        if (k != self.regime and last is not None and last[:2] == (bucket, self.regime)
+                and self.cycles - last[3] <= 4 and self._calibrated(bucket, self.regime)):
+            # A cycle of another depth is priced against the regime cycle just before it: this
+            # machine's speed jumps by up to 1.5x from one second to the next (another VM),
+            # while two neighbouring cycles differ by ~7%, so the ratio of neighbours is what
+            # survives the drift (the smoothed speed lags a jump by several cycles).
+            sample = seconds / last[2] * self.cost[bucket][self.regime]
+        else:
+            if self._calibrated(bucket, k):
+                # Machine speed follows every cycle of a calibrated depth; an outlier moves
+                # it by at most a bounded step.
+                err = math.log(seconds / (self.cost[bucket][k] * math.exp(self.log_speed)))
+                self.log_speed += self.speed_alpha * max(-0.5, min(0.5, err))
+            sample = seconds / math.exp(self.log_speed)
+        if k == self.regime:
+            self._regime_sample = (bucket, k, seconds, self.cycles)
         window = self.samples.setdefault(bucket, {}).setdefault(k, deque(maxlen=self.window))
-        window.append(seconds / math.exp(self.log_speed))
+        window.append(sample)
         self.measured_at[(bucket, k)] = self.cycles
         self.cost.setdefault(bucket, {})[k] = statistics.median(window)
