@@ -7,17 +7,14 @@ bucket) and drafting must beat plain decoding by `margin`, so noise never buys a
 setting. E(k) is computed with optimistic acceptance (one standard error up: a bandit's
 upper confidence bound), so a depth is not written off on a few unlucky drafts. c(0) is measured; for k >= 1, c(k) = a + b*k fitted over all measured depths.
 
-Timings on a shared machine drift (another process takes a core and every cycle gets 1.5x
-slower for a while), and the chosen depth is measured far more often than the others. So
-costs are kept in machine-speed-normalised units: `log_speed` follows recent cycles of
-already-calibrated depths (observed / estimated, smoothed), and each sample is divided by
-it before it enters its depth's window. A probe of another depth taken during a slow
-stretch is then compared fairly with the regime measured during a fast one.
+Costs come from `cycle_costs.CycleCosts`: ratios between neighbouring cycles of two
+depths, so that the machine's drifting speed cancels (see there). Plain decoding and
+k = 1 are calibrated first, in alternating blocks.
 
-Now and then an alternative depth is re-measured for `burst` cycles (the engine does not
-time the first cycle after a change of mode, which pays for the switch), so the choice
-follows changing costs and acceptance; probes are spaced to cost at most `explore` (1%)
-of the throughput by the current estimates. Acceptance counts decay
+Now and then an alternative depth is re-measured for `burst` cycles, alternating with
+the regime's (between drafting depths; a switch to or from plain decoding costs a cycle
+the engine does not time), so the choice follows changing costs and acceptance; probes
+are spaced to cost at most `explore` (1%) of the throughput by the current estimates. Acceptance counts decay
 slowly, so a change of content (prose after code) is followed too.
 
 On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's quantized
@@ -28,9 +25,9 @@ off, up to the probe cycles.
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional
+
+from .cycle_costs import CycleCosts
 
 
 def _bucket(batch_size: int) -> int:
@@ -43,8 +40,7 @@ def _bucket(batch_size: int) -> int:
 class DepthPolicy:
     def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, explore: float = 0.01,
                  min_probe_every: int = 20, max_probe_every: int = 2000, window: int = 9, margin: float = 0.05, min_samples: int = 3, burst: int = 3,
-                 prior_accept: float = 0.5, prior_weight: float = 2.0, decay: float = 0.998,
-                 speed_alpha: float = 0.15):
+                 prior_accept: float = 0.5, prior_weight: float = 2.0, decay: float = 0.998):
         self.max_depth = max_depth if fixed is None else fixed
         self.fixed = fixed
         self.explore = explore
@@ -55,7 +51,6 @@ class DepthPolicy:
         self.min_samples = min_samples
         self.burst = burst
         self.decay = decay
-        self.speed_alpha = speed_alpha
         # Per position: kept / drafted. A weak prior pulls position 1 towards prior_accept
         # and each deeper position towards the estimate of the one before it (conditional
         # acceptance changes slowly with depth), so unexplored depths are neither written
@@ -64,17 +59,14 @@ class DepthPolicy:
         self.prior_weight = prior_weight
         self.kept = [0.0] * (self.max_depth + 1)
         self.tried = [0.0] * (self.max_depth + 1)
-        self.samples: Dict[int, Dict[int, Deque[float]]] = {}  # bucket -> k -> normalised cycle costs
-        self.cost: Dict[int, Dict[int, float]] = {}  # bucket -> k -> median normalised cost
-        self.log_speed = 0.0  # log(observed / normalised cost), smoothed
+        self.costs: Dict[int, CycleCosts] = {}  # per batch-size bucket
         self.cycles = 0
         self.regime = 0  # the depth chosen outside probes
-        self.measured_at: Dict[tuple, int] = {}  # (bucket, k) -> cycle of its last timed sample
+        self._calibration: Dict[int, int] = {}  # bucket -> calibration cycles so far
         self._probe: Optional[int] = None
         self._probe_left = 0
         self._probe_gap = False  # the next cycle of a probe burst is a regime cycle
         self._last_probe = 0
-        self._regime_sample: Optional[tuple] = None  # (bucket, k, seconds, cycle) of the last timed regime cycle
 
     def acceptance(self, optimistic: bool = False) -> List[float]:
         """Estimated acceptance per position; `optimistic` adds one standard error (what
@@ -94,34 +86,13 @@ class DepthPolicy:
             total += run
         return total
 
-    def _cost(self, bucket: int, k: int) -> Optional[float]:
-        c = self.cost.get(bucket, {})
-        if k == 0:
-            return c.get(0)
-        # Drafting cycles: a + b*k, fitted over every measured depth (weighted by samples).
-        # Each extra draft adds one head step and one verified token, so the cost is close
-        # to linear in k; pooling all depths keeps a depth measured once in a slow moment
-        # from being written off for good, and prices depths never measured.
-        pts = [(d, c[d], len(self.samples[bucket][d])) for d in c if d > 0]
-        if not pts:
-            return None
-        if len({d for d, _, _ in pts}) == 1:
-            d, cd, _ = pts[0]
-            if 0 not in c:
-                return cd
-            # One depth measured: half the per-draft increment from k = 0 to it (optimistic,
-            # a verify grows sublinearly in its tokens); measuring more depths corrects it.
-            slope = max(cd - c[0], 1e-9) / d * 0.5
-            return max(cd + (k - d) * slope, 1e-9)
-        w = sum(n for _, _, n in pts)
-        mk = sum(n * d for d, _, n in pts) / w
-        mc = sum(n * cd for _, cd, n in pts) / w
-        var = sum(n * (d - mk) ** 2 for d, _, n in pts)
-        slope = max(0.0, sum(n * (d - mk) * (cd - mc) for d, cd, n in pts) / var)
-        return max(mc + (k - mk) * slope, 1e-9)
+    def _costs(self, bucket: int) -> CycleCosts:
+        if bucket not in self.costs:
+            self.costs[bucket] = CycleCosts(window=self.window)
+        return self.costs[bucket]
 
     def _calibrated(self, bucket: int, k: int) -> bool:
-        return len(self.samples.get(bucket, {}).get(k, ())) >= self.min_samples
+        return self._costs(bucket).samples(k) >= self.min_samples
 
     def choose(self, batch_size: int, limit: Optional[int] = None) -> int:
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
@@ -138,17 +109,20 @@ class DepthPolicy:
             self._probe_left -= 1
             self._probe_gap = self._probe > 0 and self.regime > 0
             return self._probe
-        for k in (0, 1):  # calibrate the two anchors first (the engine skips the switch cycles)
-            if not self._calibrated(bucket, k) and k <= cap:
-                return k
-        costs = {k: self._cost(bucket, k) for k in range(cap + 1)}  # one fit per cycle
+        if not (self._calibrated(bucket, 0) and self._calibrated(bucket, 1)):
+            # The two anchors first, in alternating blocks (each switch yields one ratio).
+            n = self._calibration.get(bucket, 0)
+            self._calibration[bucket] = n + 1
+            return (n // self.burst) % 2
+        table = self._costs(bucket)
+        costs = table.costs(range(cap + 1))  # one fit per cycle
         # The regime is chosen by what each depth could still be (optimistic acceptance, an
         # upper confidence bound): a depth whose deeper positions were tried a few times, in
         # a bad stretch, is otherwise written off for good (only its own cycles measure
         # them). Chosen, it is measured every cycle and its bound tightens within a few
         # cycles if it was not that good. Where verifying costs ~(k+1) steps (this CPU's
         # quantized kernels), even acceptance 1.0 does not pay and the bound changes nothing.
-        rates = {k: self.expected_tokens(k, optimistic=True) / costs[k] for k in costs}
+        rates = {k: self.expected_tokens(k, optimistic=True) / c for k, c in costs.items() if c is not None}
         rates[0] *= 1 + self.margin
         best = max(rates, key=rates.get)
         if not self._calibrated(bucket, best):
@@ -166,7 +140,7 @@ class DepthPolicy:
             # most promising one). Probes are spaced so that they cost at most `explore` of
             # the throughput: close calls often, clearly worse depths rarely.
             near = [k for k, r in others.items() if r > 0.75 * rates[best]] or [max(others, key=others.get)]
-            alt = min(near, key=lambda k: self.measured_at.get((bucket, k), -1))
+            alt = min(near, key=lambda k: table.measured_at.get(k, -1))
             # tokens a probe forgoes, relative to what the regime makes in one cycle
             # (with the mean estimate: optimism picks what to probe, not how often)
             mean = {d: self.expected_tokens(d) / costs[d] for d in (alt, best)}
@@ -178,7 +152,7 @@ class DepthPolicy:
 
     def _start_probe(self, k: int) -> int:
         # Between drafting depths (no switch of mode) the probe's cycles alternate with the
-        # regime's, so that each is timed right after a regime cycle (see update).
+        # regime's, so that each is timed right after a regime cycle (see cycle_costs).
         self._probe, self._probe_left, self._last_probe = k, self.burst - 1, self.cycles
         self._probe_gap = k > 0 and self.regime > 0
         return k
@@ -198,27 +172,5 @@ class DepthPolicy:
                         self.tried[i] += 1
                         if kept >= i:
                             self.kept[i] += 1
-        if seconds is None or seconds <= 0:
-            return
-        bucket = _bucket(batch_size)
-        last = self._regime_sample
-        if (k != self.regime and last is not None and last[:2] == (bucket, self.regime)
-                and self.cycles - last[3] <= 4 and self._calibrated(bucket, self.regime)):
-            # A cycle of another depth is priced against the regime cycle just before it: this
-            # machine's speed jumps by up to 1.5x from one second to the next (another VM),
-            # while two neighbouring cycles differ by ~7%, so the ratio of neighbours is what
-            # survives the drift (the smoothed speed lags a jump by several cycles).
-            sample = seconds / last[2] * self.cost[bucket][self.regime]
-        else:
-            if self._calibrated(bucket, k):
-                # Machine speed follows every cycle of a calibrated depth; an outlier moves
-                # it by at most a bounded step.
-                err = math.log(seconds / (self.cost[bucket][k] * math.exp(self.log_speed)))
-                self.log_speed += self.speed_alpha * max(-0.5, min(0.5, err))
-            sample = seconds / math.exp(self.log_speed)
-        if k == self.regime:
-            self._regime_sample = (bucket, k, seconds, self.cycles)
-        window = self.samples.setdefault(bucket, {}).setdefault(k, deque(maxlen=self.window))
-        window.append(sample)
-        self.measured_at[(bucket, k)] = self.cycles
-        self.cost.setdefault(bucket, {})[k] = statistics.median(window)
+        if seconds is not None and seconds > 0:
+            self._costs(_bucket(batch_size)).add(k, seconds, self.cycles)

@@ -1,0 +1,107 @@
+"""Relative costs of decode cycles of each depth, measured so that the machine's drift cancels.
+
+On a shared machine every cycle's speed jumps by up to 1.5x from one second to the next
+(another VM takes the core) while two neighbouring cycles differ by ~7%. A cost per depth
+in seconds, or in units of a smoothed machine speed, drifts with those jumps; and since
+the depth in use is measured far more often than the others, the drift ends up deciding.
+So only ratios between neighbours are kept: a timed cycle of depth k right after one of
+depth j (at most `max_gap` cycles back: the engine does not time the first cycle after a
+switch between plain and drafting cycles) gives one sample of log(c_k / c_j). The samples
+of all measured pairs are reconciled into log-costs relative to one another by least
+squares (a handful of depths, solved by a few sweeps). Drafting depths that no pair
+reaches are priced by a straight line a + b*k through the ones that are.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Deque, Dict, Iterable, Optional, Tuple
+
+
+class CycleCosts:
+    def __init__(self, window: int = 9, max_gap: int = 2):
+        self.window = window
+        self.max_gap = max_gap
+        self.pairs: Dict[Tuple[int, int], Deque[float]] = {}  # (j, k), j < k -> samples of log(c_k / c_j)
+        self.measured_at: Dict[int, int] = {}  # depth -> cycle of its last timed sample
+        self._last: Optional[Tuple[int, float, int]] = None  # (depth, log seconds, cycle) of the last timed cycle
+        self._solved: Optional[Dict[int, float]] = None
+
+    def add(self, k: int, seconds: float, cycle: int) -> None:
+        """A timed cycle of depth k (`cycle` counts every cycle, timed or not)."""
+        log_s = math.log(seconds)
+        last = self._last
+        if last is not None and last[0] != k and cycle - last[2] <= self.max_gap:
+            j, log_j = last[0], last[1]
+            key, d = ((j, k), log_s - log_j) if j < k else ((k, j), log_j - log_s)
+            self.pairs.setdefault(key, deque(maxlen=self.window)).append(d)
+            self._solved = None
+        self._last = (k, log_s, cycle)
+        self.measured_at[k] = cycle
+
+    def samples(self, k: int) -> int:
+        """How many neighbour ratios involve depth k."""
+        return sum(len(w) for pair, w in self.pairs.items() if k in pair)
+
+    def log_costs(self) -> Dict[int, float]:
+        """log c(k) up to one common constant, for the depths linked (by a chain of measured
+        pairs) to the most measured one."""
+        if self._solved is not None:
+            return self._solved
+        links: Dict[int, list] = {}
+        for (j, k), w in self.pairs.items():
+            d = statistics.median(w)
+            links.setdefault(j, []).append((k, d, len(w)))  # log c_k = log c_j + d
+            links.setdefault(k, []).append((j, -d, len(w)))
+        if not links:
+            self._solved = {}
+            return self._solved
+        root = max(links, key=self.samples)
+        solved, todo = {root: 0.0}, [root]
+        while todo:  # a first guess along a spanning tree
+            j = todo.pop()
+            for k, d, _ in links[j]:
+                if k not in solved:
+                    solved[k] = solved[j] + d
+                    todo.append(k)
+        for _ in range(20):  # then least squares over every pair (Gauss-Seidel; tiny graph)
+            for k in solved:
+                if k != root:
+                    w = sum(n for _, _, n in links[k])
+                    solved[k] = sum(n * (solved[j] - d) for j, d, n in links[k]) / w
+        self._solved = solved
+        return solved
+
+    def costs(self, depths: Iterable[int]) -> Dict[int, Optional[float]]:
+        """Relative cost of a cycle of each depth (None: not known yet)."""
+        known = {k: math.exp(v) for k, v in self.log_costs().items()}
+        drafting = [(k, c, self.samples(k)) for k, c in known.items() if k > 0]
+        out: Dict[int, Optional[float]] = {}
+        for k in depths:
+            if k in known:
+                out[k] = known[k]
+            elif k == 0 or not drafting:
+                out[k] = None
+            else:
+                out[k] = _line(drafting, known.get(0), k)
+        return out
+
+
+def _line(points, c0: Optional[float], k: int) -> float:
+    """Cost of drafting depth k from the measured drafting depths: each extra draft adds
+    one head step and one verified token, so the cost is close to linear in k."""
+    if len({d for d, _, _ in points}) == 1:
+        d, cd, _ = points[0]
+        if c0 is None:
+            return cd
+        # One depth measured: half the per-draft increment from k = 0 to it (optimistic:
+        # a verify grows sublinearly in its tokens); measuring another depth corrects it.
+        return max(cd + (k - d) * max(cd - c0, 1e-9) / d * 0.5, 1e-9)
+    w = sum(n for _, _, n in points)
+    mk = sum(n * d for d, _, n in points) / w
+    mc = sum(n * c for _, c, n in points) / w
+    var = sum(n * (d - mk) ** 2 for d, _, n in points)
+    slope = max(0.0, sum(n * (d - mk) * (c - mc) for d, c, n in points) / var)
+    return max(mc + (k - mk) * slope, 1e-9)
