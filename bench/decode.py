@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--models", default="demo,demo-4bit")
     ap.add_argument("--temps", default="0,0.6")
     ap.add_argument("--max-tokens", type=int, default=150)
-    ap.add_argument("--max-tokens-quantized", type=int, default=32,
+    ap.add_argument("--max-tokens-quantized", type=int, default=80,
                     help="for quantized models (MLX's CPU quantized kernels are ~10x slower)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--rounds-quantized", type=int, default=3)

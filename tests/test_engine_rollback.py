@@ -106,3 +106,50 @@ def test_eos_inside_draft_and_max_tokens_mid_draft(fixture_model):
                 reason = ev.finish_reason or reason
         assert ids == expected
         assert reason == ("stop" if stop_ids else "length")
+
+
+def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exactly(fixture_model):
+    # While the policy's regime is plain decoding the head is not kept current (that costs
+    # a head pass per token): its pending inputs stay bounded. Drafting afterwards still
+    # gives mlx-lm's greedy output, and with right drafts still accepts them.
+    from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
+
+    from mlxmtp.engine import batch as batch_mod
+    from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.request import Request
+
+    class Plain80ThenDraft:
+        regime = 0
+
+        def __init__(self):
+            self.n = 0
+
+        def choose(self, batch_size, limit=None):
+            self.n += 1
+            if self.n > 80:
+                self.regime = 2
+            return min(self.regime, limit if limit is not None else 8)
+
+        def update(self, *args):
+            pass
+
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompt = prompt_of(30, seed=4)
+    expected = reference_greedy(ref, prompt, 140)
+    eng = BatchGenerator(model, tok)
+    eng.policy = Plain80ThenDraft()
+    rid = eng.submit(Request(prompt=prompt, max_tokens=140))
+    eng.draft_hook = oracle_hook({rid: expected}, p_correct=1.0)
+    out, most_pending, stats = [], 0, None
+    while eng.has_work:
+        for ev in eng.step():
+            out += ev.token_ids
+            stats = ev.stats or stats
+        if eng.rows:
+            most_pending = max(most_pending, len(eng.rows[0].pend_t))
+        if eng.policy.n == 80:
+            head_len = eng.head_cache[0].lengths[0]  # the head saw the prompt, nothing since
+    assert head_len <= len(prompt)
+    assert out == expected
+    assert most_pending <= batch_mod.ABSORB_AFTER + 1
+    assert stats.accepted == stats.drafted > 0

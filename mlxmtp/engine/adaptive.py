@@ -5,17 +5,18 @@ draft i is kept given drafts 1..i-1 were:  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
 k* = argmax E(k) / c(k), where c(k) is the cost of a cycle of depth k (per batch size
 bucket) and drafting must beat plain decoding by `margin`, so noise never buys a slower
 setting. E(k) is computed with optimistic acceptance (one standard error up: a bandit's
-upper confidence bound), so a depth is not written off on a few unlucky drafts. c(0) is measured; for k >= 1, c(k) = a + b*k fitted over all measured depths.
+upper confidence bound), so a depth is not written off on a few unlucky drafts.
 
 Costs come from `cycle_costs.CycleCosts`: ratios between neighbouring cycles of two
-depths, so that the machine's drifting speed cancels (see there). Plain decoding and
-k = 1 are calibrated first, in alternating blocks.
+depths, so that the machine's drifting speed cancels (see there); drafting depths never
+measured are priced by a line a + b*k through those that were. Plain decoding and k = 1
+are calibrated first, in alternating blocks.
 
 Now and then an alternative depth is re-measured for `burst` cycles, alternating with
 the regime's (between drafting depths; a switch to or from plain decoding costs a cycle
 the engine does not time), so the choice follows changing costs and acceptance; probes
-are spaced to cost at most `explore` (1%) of the throughput by the current estimates. Acceptance counts decay
-slowly, so a change of content (prose after code) is followed too.
+are spaced to cost at most `explore` (1%) of the throughput by the current estimates.
+Acceptance counts decay slowly, so a change of content (prose after code) is followed too.
 
 On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's quantized
 kernels), E(k)/c(k) < 1/c(0) for every k > 0 and the policy settles on 0: as fast as MTP

@@ -29,7 +29,7 @@ from ..models import gdn_capture
 from . import mlx_lm_adapter as adapter
 from .adaptive import DepthPolicy
 from .prefix_cache import PrefixCache
-from .proposer import Segment, draft, head_pass, pending_array, pending_count
+from .proposer import Segment, draft, drop_pending, head_pass, pending_array, pending_count
 from .rejection_sampler import accept_greedy, accept_sampled, sample
 from .request import Event, Request, RequestStats
 from .sampling import RowSampler
@@ -37,6 +37,7 @@ from .sampling import RowSampler
 log = logging.getLogger("mlxmtp")
 
 ABSORB_AFTER = 64  # pending head inputs a row may accumulate while k = 0 before the head catches up
+KEEP_WHILE_PLAIN = 16  # pending inputs kept (the rest dropped) while the policy stays at k = 0
 
 
 @dataclass
@@ -397,7 +398,10 @@ class BatchGenerator:
                     row.pend.append(seg)
                     row.pend_t = row.pend_t + tok_l[b][: consumed[b]]
             if k == 0 and max(len(r.pend_t) for r in rows) > ABSORB_AFTER:
-                self._absorb()
+                if getattr(self.policy, "regime", None) == 0:
+                    self._forget_pending()
+                else:
+                    self._absorb()
         for row in rows:
             row.y = row.tokens[-1]
         now = time.perf_counter()
@@ -424,6 +428,21 @@ class BatchGenerator:
             for b in finished:
                 self._store_finished(b)
         self._drop_rows(finished)
+
+    def _forget_pending(self) -> None:
+        """While the policy stays at plain decoding, drop all but the last KEEP_WHILE_PLAIN
+        pending head inputs of every row instead of feeding them to the head.
+
+        Keeping the head current costs a head pass per token: where drafting does not pay
+        (this CPU's quantized kernels: 64 positions of the 4-bit demo head cost 7.7 plain
+        steps) that is a ~12% tax on plain decoding for nothing. The head's cache then has
+        a gap; drafts are verified, so a later probe or switch back to drafting loses at
+        most some acceptance (the head still sees the recent positions), never exactness.
+        """
+        for r in self.rows:
+            n = len(r.pend_t) - KEEP_WHILE_PLAIN
+            if n > 0:
+                r.pend, r.pend_t = drop_pending(r.pend, n), r.pend_t[n:]
 
     def _absorb(self) -> None:
         """Let the head consume all but the last pending pair of every row (k = 0 streaks)."""

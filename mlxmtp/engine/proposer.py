@@ -41,6 +41,13 @@ def pending_array(segs: Sequence[Segment]) -> Optional[mx.array]:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
+def drop_pending(segs: Sequence[Segment], n: int) -> List[Segment]:
+    """The pending inputs without their first n (never shown to the head)."""
+    h = pending_array(segs)
+    left = pending_count(segs) - n
+    return [(h[n:], None, left)] if left > 0 else []
+
+
 def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]:
     """The [B, P, H] head input, free, when every row's pending is row b of one array."""
     if not pend or any(len(segs) != 1 for segs in pend):
