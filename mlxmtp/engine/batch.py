@@ -299,7 +299,7 @@ class BatchGenerator:
         pinned = [r.req.num_draft for r in self.rows if r.req.num_draft is not None]
         if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
             return max(0, min(min(pinned), limit))
-        return self.policy.choose(len(self.rows), limit)
+        return self.policy.choose(len(self.rows), limit, _acceptance_classes(self.rows))
 
     def _decode_cycle(self, events: List[Event]) -> None:
         k = self._choose_depth()
@@ -412,7 +412,8 @@ class BatchGenerator:
         # a switch of kind (a k = 0 stretch ends: the head catches up; drafting ends: the
         # first plain cycle is not overlapped) or a prefill is not timed.
         mode = ("sync" if rec.synchronous else "async", B)
-        self.policy.update(k, B, now - self._last_finish if self._timing == mode else None, kept_l)
+        self.policy.update(k, B, now - self._last_finish if self._timing == mode else None, kept_l,
+                           _acceptance_classes(rows))
         self._timing = mode
         self._last_finish = now
         self.cycles += 1
@@ -588,6 +589,12 @@ class BatchGenerator:
 
 
 _NO_LOGITS = mx.zeros((0,))
+
+
+def _acceptance_classes(rows: List[Row]) -> List[str]:
+    # Greedy rows keep a draft only if it is the argmax; sampled rows by rejection sampling,
+    # which keeps far more deep drafts: the depth policy learns the two apart.
+    return ["greedy" if r.sampler.params.greedy else "sampled" for r in rows]
 
 
 def _find_stop(text: str, stops: List[str]) -> Optional[int]:
