@@ -69,6 +69,7 @@ class DepthPolicy:
         self.depth_weight = depth_weight
         self.kept: Dict[Tuple[Hashable, int], List[float]] = {}
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
+        self._memo: Dict[Hashable, List[float]] = {}
         self.costs: Dict[int, CycleCosts] = {}  # per batch-size bucket
         self.cycles = 0
         self.regime = 0  # the depth chosen outside probes
@@ -96,23 +97,32 @@ class DepthPolicy:
         the class's at depth k. Depth matters because acceptance is not independent from
         one position to the next (hard tokens come in runs and patterns) and each depth
         starts its cycles at other positions (after what the cycle before kept). On the
-        demo text, the first draft is
-        kept 74% of the time at k = 1 and 91% at k = 2, the drafts being identical where
-        both depths draft at the same position (88.6% there); one estimate for both kept
-        the policy at k = 1 for most of a benchmark run (1.20x mlx-lm; k = 2 made 1.40x).
+        demo text, the first draft is kept 74% of the time at k = 1 and 91% at k = 2, the
+        drafts being identical where both depths draft at the same position (88.6% there);
+        one estimate for both kept the policy at k = 1 for most of a benchmark run (1.20x
+        mlx-lm; k = 2 made 1.40x).
         """
-        all_kept, all_tried = self._sums(list(self.kept))
-        cls_kept, cls_tried = self._sums([key for key in self.kept if key[0] == cls])
+        in_cls = self._class_level(cls)
         kept, tried = self._counts((cls, k))
-        out, prior = [], self.prior_accept
+        out = []
         for i in range(1, k + 1):
-            w = self.prior_weight
-            prior = (all_kept[i] + prior * w) / (all_tried[i] + w)
-            in_cls = (cls_kept[i] + prior * w) / (cls_tried[i] + w)
             n = tried[i] + self.depth_weight
-            a = (kept[i] + in_cls * self.depth_weight) / n
+            a = (kept[i] + in_cls[i] * self.depth_weight) / n
             out.append(min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a)
         return out
+
+    def _class_level(self, cls: Hashable) -> List[float]:
+        # The two upper levels of acceptance(), per position (index 0 unused); kept until
+        # the next update, as choose() asks for every depth twice.
+        if cls not in self._memo:
+            all_kept, all_tried = self._sums(list(self.kept))
+            cls_kept, cls_tried = self._sums([key for key in self.kept if key[0] == cls])
+            out, prior, w = [0.0], self.prior_accept, self.prior_weight
+            for i in range(1, self.max_depth + 1):
+                prior = (all_kept[i] + prior * w) / (all_tried[i] + w)
+                out.append((cls_kept[i] + prior * w) / (cls_tried[i] + w))
+            self._memo[cls] = out
+        return self._memo[cls]
 
     def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> List[float]:
         """E(k) per row for k = 0..max_depth, averaged over the rows' classes."""
@@ -223,6 +233,7 @@ class DepthPolicy:
         # state of that depth: see _start_probe).
         steady, self._last_k = k == self._last_k, k
         if k > 0 and steady:
+            self._memo.clear()
             # Every position forgets at the same pace, drafted this cycle or not: what was
             # learnt of a depth long unused grows uncertain again (and is re-explored when
             # that could pay), instead of a few early samples deciding for good.
