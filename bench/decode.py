@@ -190,7 +190,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=150)
     ap.add_argument("--max-tokens-quantized", type=int, default=80,
                     help="for quantized models (MLX's CPU quantized kernels are ~10x slower)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--rounds-quantized", type=int, default=3)
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--markdown", action="store_true")
