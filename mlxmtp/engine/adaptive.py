@@ -201,7 +201,7 @@ class DepthPolicy:
                     or [max(others, key=bound.get)])
             alt = min(near, key=lambda k: table.measured_at.get(k, -1))
             # tokens a probe forgoes, relative to what the regime makes in one cycle
-            n = self.burst if self._partner(alt) is None else 4
+            n = self._probe_plan(alt).count(alt)
             loss = n * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
             every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if self.cycles - self._last_probe >= every:
@@ -217,13 +217,14 @@ class DepthPolicy:
         # Acceptance is counted only in a cycle that follows one of the same depth: a depth
         # drafts from different positions than the one before it did, and on text where
         # easy and hard tokens follow a pattern the first cycle says little (see update()).
-        partner = self._partner(k)
-        self._plan = [k] * (self.burst - 1) if partner is None else [k, partner, k, k]
+        self._plan = self._probe_plan(k)[1:]
         self._last_probe = self.cycles
         return k
 
-    def _partner(self, k: int) -> Optional[int]:
-        return self.regime if k > 0 and self.regime > 0 else (1 if k > 1 else None)
+    def _probe_plan(self, k: int) -> List[int]:
+        """The depths of a probe's cycles, the first included."""
+        partner = self.regime if k > 0 and self.regime > 0 else (1 if k > 1 else None)
+        return [k] * self.burst if partner is None else [k, k, partner, k, k]
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None) -> None:
