@@ -13,6 +13,7 @@ and measured/ideal is the engine's efficiency (draft cost and overhead included)
     python bench/decode.py --models demo --temps 0 --rounds 5 --markdown
     python bench/decode.py --models /path/to/mlx-model --max-tokens 200
 
+Prompts: code, a different one each round (the demo model's held-out prompts).
 Models: `demo` (the packaged demo model), `demo-4bit` (built by bench/quantized_demo.py
 into a temporary folder), or a path / HF id.
 """
@@ -33,12 +34,19 @@ from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.load import load
+from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS
 
 PROMPT = '''def _parse_args(argv):
     """Parse command line arguments for the tool."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input", help="input file")
 '''
+# Round r uses PROMPTS[r % len(PROMPTS)] (the mlx-lm runs beside each mlxmtp run use the
+# same one): greedy decoding of one prompt is one deterministic text, on which which depth
+# wins is partly the luck of where its cycles happen to start (demo, 150 tokens of the
+# first prompt: fixed k = 2 kept 2.61 tokens per cycle, k = 3 2.92; 200 tokens of each of
+# these six: 2.55 and 3.11).
+PROMPTS = [PROMPT, *HELD_OUT_PROMPTS.values()]
 
 
 def forward_cost(model, T, context=128, reps=20):
@@ -84,7 +92,7 @@ def run_mlxmtp(model, tok, prompt, n, temp, seed, enable_mtp, k):
 def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
-    prompt = tok.encode(PROMPT)
+    prompts = [tok.encode(p) for p in PROMPTS]
     settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + [(f"mlxmtp k={k}", k) for k in depths] + [
         ("mlxmtp adaptive", "adaptive")]
     reps = 5 if quantized else 20
@@ -96,13 +104,14 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
         peak = {}
         # Warm-up. The adaptive policy's cost calibration belongs to the model (once per
         # server lifetime, shared by all requests), so it is warmed up like the rest.
-        run_mlx_lm(ref, tok, prompt, 16, temp, 0)
-        run_mlxmtp(model, tok, prompt, 16, temp, 0, True, 1)
-        run_mlxmtp(model, tok, prompt, max_tokens, temp, 0, True, None)
+        run_mlx_lm(ref, tok, prompts[0], 16, temp, 0)
+        run_mlxmtp(model, tok, prompts[0], 16, temp, 0, True, 1)
+        run_mlxmtp(model, tok, prompts[0], max_tokens, temp, 0, True, None)
         ours = [(label, k) for label, k in settings if k is not None]
         ref_label = settings[0][0]
         paired = {label: [] for label, _ in ours}  # per round: tok/s / mean of the mlx-lm runs beside it
         for r in range(rounds):
+            prompt = prompts[r % len(prompts)]
             # Every mlxmtp run sits between two mlx-lm runs and is compared with their mean:
             # this machine's speed drifts by tens of percent within seconds, so a baseline
             # measured a whole round away would mostly measure the drift. Odd rounds run the

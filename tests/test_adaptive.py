@@ -135,6 +135,28 @@ def test_a_depth_first_tried_from_plain_decoding_gets_measured():
     assert c[4] / c[1] == pytest.approx(1.4 / 1.1, rel=1e-6)  # measured, not extrapolated
 
 
+def test_probes_start_only_when_they_can_finish_within_the_request():
+    # Requests of 12 tokens, drafting never pays (verify of k+1 tokens ~ k+1 steps) but the
+    # head is right 95% of the time, so deep depths look worth probing. A probe that the
+    # request's end cuts short (the last cycles are capped to the tokens left) pays its
+    # switch and its untimed first cycle and measures nothing: none may start without room
+    # for its whole plan; probes still happen.
+    rng, pol, prev = random.Random(0), DepthPolicy(), None
+    left, cut, drafting = 12, 0, 0
+    for i in range(3000):
+        k = pol.choose(1, limit=left - 1)
+        kept = next((j for j in range(k) if rng.random() >= 0.95), k)
+        timed = prev is not None and (prev == 0) == (k == 0)
+        pol.update(k, 1, (1.0 + k) * rng.lognormvariate(0, 0.1) if timed else None, [kept])
+        prev, left = k, left - kept - 1
+        drafting += i >= 200 and k > 0
+        if left <= 0:
+            cut += bool(pol._plan)  # cycles of a probe still to come when the request ended
+            left = 12
+    assert cut == 0
+    assert drafting > 0
+
+
 def run_on_text(pattern, cost, policy, cycles=3000, seed=0):
     """Tokens per unit of cost on a text whose drafts are right or wrong by a repeating
     pattern of positions ("T": the draft there is kept), as deterministic greedy text is."""

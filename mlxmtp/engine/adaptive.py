@@ -175,7 +175,9 @@ class DepthPolicy:
         mean, bound = rates(False), rates(True)
         best = max(mean, key=mean.get)
         if not self._calibrated(bucket, best):
-            return self._start_probe(best)
+            if self._fits(best, limit):
+                return self._start_probe(best)
+            best = max((k for k in mean if self._calibrated(bucket, k)), key=mean.get)
         # Stay put unless clearly better: a switch to or from plain decoding has costs of
         # its own (the head catches up on the inputs of a k = 0 stretch; the first plain
         # cycle after drafting is not pipelined), and between drafting depths a close call
@@ -191,7 +193,7 @@ class DepthPolicy:
         # times, in a bad stretch, is otherwise written off for good (only its own cycles
         # measure them). Where verifying costs ~(k+1) steps (this CPU's quantized kernels),
         # even acceptance 1.0 does not pay and no depth's bound reaches plain decoding.
-        others = [k for k in costs if k != best]
+        others = [k for k in costs if k != best and self._fits(k, limit)]
         if others:
             # The least recently measured of the depths that could be better (else of those
             # within 25%, else the most promising one), spaced so that probes cost at most
@@ -220,6 +222,12 @@ class DepthPolicy:
         self._plan = self._probe_plan(k)[1:]
         self._last_probe = self.cycles
         return k
+
+    def _fits(self, k: int, limit: Optional[int]) -> bool:
+        """Whether a probe of depth k can run its whole plan before the batch runs out of
+        tokens (`limit` + 1 left to the row with the most room): a probe cut short pays its
+        switch and its untimed first cycle and measures nothing (the next request runs it)."""
+        return limit is None or sum(d + 1 for d in self._probe_plan(k)) <= limit + 1
 
     def _probe_plan(self, k: int) -> List[int]:
         """The depths of a probe's cycles, the first included."""
