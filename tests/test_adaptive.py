@@ -7,12 +7,13 @@ import pytest
 from mlxmtp.engine.adaptive import DepthPolicy
 
 
-def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None):
+def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None,
+             switch=0.0):
     """Drive a policy with cycles whose cost is cost(k) * speed(i), seen through lognormal
     noise, and whose drafts are kept with probability accept (a number, or a list per
     position; a function of the cycle for changing content), the rows being of acceptance
-    class cls(i). Returns the depth chosen per cycle and the tokens per unit of cost (speed
-    factored out)."""
+    class cls(i); the first drafting cycle after plain decoding costs `switch` more. Returns
+    the depth chosen per cycle and the tokens per unit of cost (speed factored out)."""
     rng = random.Random(seed)
     pol = DepthPolicy()
     chosen, tokens, seconds = [], 0, 0.0
@@ -23,10 +24,13 @@ def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, b
         a = accept(i) if callable(accept) else accept
         a = a if isinstance(a, list) else [a] * k
         kept = [next((j for j in range(k) if rng.random() >= a[j]), k) for _ in range(batch)]
-        t = cost(k) * speed(i)
-        # Like the engine: the first cycle after a switch between plain and drafting is not timed.
+        switched = prev == 0 and k > 0
+        t = (cost(k) + switch * switched) * speed(i)
+        # Like the engine: the first cycle after a switch between plain and drafting is not
+        # timed as a cycle; into drafting, its time is reported as the switch's.
         timed = prev is not None and (prev == 0) == (k == 0)
-        pol.update(k, batch, t * rng.lognormvariate(0, noise) if timed else None, kept, classes)  # what it sees is noisy
+        seen = t * rng.lognormvariate(0, noise)  # what it sees is noisy
+        pol.update(k, batch, seen if timed else None, kept, classes, switch_seconds=seen if switched else None)
         prev = k
         chosen.append(k)
         tokens += sum(kept) + batch
@@ -55,6 +59,20 @@ def test_falls_back_to_plain_decoding_when_drafts_never_pay():
     tail = chosen[100:]
     assert tail.count(0) / len(tail) > 0.9
     assert tps > 0.97 * 1.0  # plain decoding: 1 token per unit of cost
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_probes_from_plain_decoding_pay_for_the_switch(seed):
+    # Drafting never pays (verify of k+1 tokens ~ k+1 steps) though the head is right 70% of
+    # the time, and the first drafting cycle after plain decoding costs 3 plain steps more
+    # (the head catches up: ~24 pending inputs on this CPU's quantized kernels). Probes
+    # still re-check drafting, priced with the switch: within budget (not priced, these
+    # runs made 0.966-0.978 of plain decoding).
+    cost = lambda k: 1.0 + 1.0 * k  # noqa: E731
+    chosen, tps = simulate(cost, accept=0.7, cycles=4000, seed=seed, switch=3.0)
+    tail = chosen[500:]
+    assert tail.count(0) / len(tail) > 0.98 and any(tail)
+    assert tps > 0.98
 
 
 def test_a_slow_stretch_of_the_machine_does_not_flip_the_choice():
@@ -199,7 +217,7 @@ class _Scripted:
     def choose(self, batch_size, limit=None, classes=None):
         return min(self.depths.pop(0) if self.depths else 0, limit if limit is not None else 8)
 
-    def update(self, k, batch_size, seconds, kept_per_row, classes=None):
+    def update(self, k, batch_size, seconds, kept_per_row, classes=None, switch_seconds=None):
         self.calls.append((k, seconds is not None))
 
 

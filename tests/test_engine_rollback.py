@@ -130,7 +130,7 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
                 self.regime = 2
             return min(self.regime, limit if limit is not None else 8)
 
-        def update(self, *args):
+        def update(self, *args, **kwargs):
             pass
 
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))

@@ -23,7 +23,8 @@ The regime is chosen by the mean estimates; now and then another depth is measur
 few cycles (a probe, see _start_probe). Probes go to what could still be better
 (optimistic acceptance, one standard error up: a bandit's upper confidence bound), so a
 depth is not written off on a few unlucky drafts, and are spaced to cost at most
-`explore` (1%) of the throughput by the mean estimates. Acceptance counts decay slowly,
+`explore` (1%) of the throughput by the mean estimates (from plain decoding, plus the
+measured cost of switching to drafting). Acceptance counts decay slowly,
 so a change of content (prose after code) is followed too.
 
 On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's quantized
@@ -34,8 +35,9 @@ off, up to the probe cycles.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+import statistics
+from collections import Counter, deque
+from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .cycle_costs import CycleCosts
 
@@ -77,6 +79,10 @@ class DepthPolicy:
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
+        # What a switch from plain decoding to drafting costs beyond the cycles themselves, in
+        # plain cycles, per batch-size bucket (samples: see update()).
+        self.switch_costs: Dict[int, Deque[float]] = {}
+        self._switch: Optional[Tuple[int, int, float]] = None  # (depth, bucket, seconds) of a switch cycle
 
     def _counts(self, key):
         if key not in self.kept:
@@ -198,13 +204,16 @@ class DepthPolicy:
             # The least recently measured of the depths that could be better (else of those
             # within 25%, else the most promising one), spaced so that probes cost at most
             # `explore` of the throughput by the mean estimates: close calls often, clearly
-            # worse depths rarely.
+            # worse depths rarely; from plain decoding the switch is paid too (on this CPU's
+            # quantized kernels a probe's head catch-up alone cost ~1.5 plain steps).
             near = ([k for k in others if bound[k] > mean[best]] or [k for k in others if bound[k] > 0.75 * mean[best]]
                     or [max(others, key=bound.get)])
             alt = min(near, key=lambda k: table.measured_at.get(k, -1))
             # tokens a probe forgoes, relative to what the regime makes in one cycle
             n = self._probe_plan(alt).count(alt)
             loss = n * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
+            if best == 0:
+                loss += self._switch_cost(bucket)
             every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if self.cycles - self._last_probe >= every:
                 return self._start_probe(alt)
@@ -223,6 +232,10 @@ class DepthPolicy:
         self._last_probe = self.cycles
         return k
 
+    def _switch_cost(self, bucket: int) -> float:
+        samples = self.switch_costs.get(bucket)
+        return statistics.median(samples) if samples else 0.0
+
     def _fits(self, k: int, limit: Optional[int]) -> bool:
         """Whether a probe of depth k can run its whole plan before the batch runs out of
         tokens (`limit` + 1 left to the row with the most room): a probe cut short pays its
@@ -235,9 +248,21 @@ class DepthPolicy:
         return [k] * self.burst if partner is None else [k, k, partner, k, k]
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
-               classes: Optional[Sequence[Hashable]] = None) -> None:
-        """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept
-        and each row's acceptance class."""
+               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
+        """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept,
+        each row's acceptance class, and, for the first drafting cycle after plain decoding
+        (not timed as a cycle), its wall time."""
+        bucket = _bucket(batch_size)
+        switch, self._switch = self._switch, (k, bucket, switch_seconds) if switch_seconds else None
+        if switch is not None and seconds and switch[:2] == (k, bucket):
+            # The switch cycle against the steady cycle of its depth right after it (a ratio
+            # of neighbours, like every cost here): the excess, in plain cycles, is what the
+            # head's catch-up and the lost overlap cost (0.12 plain steps per pending input
+            # on this CPU's quantized kernels, next to nothing where a head step is cheap).
+            c = self._costs(bucket).costs([0, k])
+            if c[0] and c[k]:
+                excess = max(0.0, switch[2] / seconds - 1.0) * c[k] / c[0]
+                self.switch_costs.setdefault(bucket, deque(maxlen=self.window)).append(excess)
         # Acceptance is learnt from cycles that follow one of the same depth (the steady
         # state of that depth: see _start_probe).
         steady, self._last_k = k == self._last_k, k
@@ -257,4 +282,4 @@ class DepthPolicy:
                         if kept >= i:
                             kept_c[i] += 1
         if seconds is not None and seconds > 0:
-            self._costs(_bucket(batch_size)).add(k, seconds, self.cycles)
+            self._costs(bucket).add(k, seconds, self.cycles)

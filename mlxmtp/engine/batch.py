@@ -146,6 +146,7 @@ class BatchGenerator:
         # as the interval between the two; None after anything that is not a decode cycle.
         self._timing: Optional[tuple] = None
         self._draft_time = 0.0
+        self._switched = False  # the cycle being launched is the first drafting one after plain decoding
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
@@ -313,6 +314,10 @@ class BatchGenerator:
             self._drain(events)
             if not self.rows:
                 return
+            # What this first cycle after a plain stretch costs beyond a steady one of its
+            # depth (the head catches up on the pending inputs, nothing overlaps) is the
+            # price of every switch; the policy weighs it against what a probe can teach.
+            self._switched = k > 0
         rec = self._launch(k, self._inflight if pipelined else None)
         if not pipelined:
             # The caches are evaluated with the tokens: the work is due anyway, and leaving
@@ -419,8 +424,10 @@ class BatchGenerator:
         # a switch of kind (a k = 0 stretch ends: the head catches up; drafting ends: the
         # first plain cycle is not overlapped) or a prefill is not timed.
         mode = ("sync" if rec.synchronous else "async", B)
-        self.policy.update(k, B, now - self._last_finish if self._timing == mode else None, kept_l,
-                           _acceptance_classes(rows))
+        interval = now - self._last_finish
+        self.policy.update(k, B, interval if self._timing == mode else None, kept_l, _acceptance_classes(rows),
+                           switch_seconds=interval if self._switched else None)
+        self._switched = False
         self._timing = mode
         self._last_finish = now
         self.cycles += 1
