@@ -1,9 +1,10 @@
 """Single-request decode benchmark: mlx-lm vs mlxmtp (MTP off, k = 1..4, adaptive).
 
-For each model and temperature, all settings run in ONE process, interleaved round by
-round, and every mlxmtp run is compared with the mean of the two mlx-lm runs just before
-and after it (this shared machine's speed drifts within seconds); only ratios are
-meaningful, and the table gives their median and range over the rounds. Also measures the
+For each model and temperature, all settings run in ONE process, round by round, and
+every mlxmtp run is paired with an mlx-lm run of the same prompt, the two advancing in
+turns of 16 tokens and each timed on its own turns (this shared machine's speed jumps
+within seconds; whole runs one after the other differ by up to 30%, turns see the same
+phases). Only ratios are meaningful; the table gives their median and range over rounds. Also measures the
 cost of a (k+1)-token forward relative to a 1-token forward, from which the ideal speedup
 of depth k over plain decoding is
     ideal(k) = tokens_per_forward(k) / (cost(k+1 tokens) / cost(1 token))
@@ -30,6 +31,7 @@ import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine import mlx_lm_adapter as adapter
+from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.demo import demo_model_path
@@ -49,44 +51,107 @@ PROMPT = '''def _parse_args(argv):
 PROMPTS = [PROMPT, *HELD_OUT_PROMPTS.values()]
 
 
-def forward_cost(model, T, context=128, reps=20):
-    """Seconds for one T-token forward at `context` tokens of cache (median). The cache is
-    filled once; after each timed forward the attention caches are trimmed back (the Gated
-    DeltaNet state just moves on: its cost does not depend on its values)."""
+def forward_costs(model, sizes, context=128, reps=20):
+    """Cost of one T-token forward relative to a 1-token forward, for each T in `sizes`, at
+    `context` tokens of cache: the median over `reps` rounds of the ratio of the two timed
+    back to back (like the decode runs, a ratio of neighbours: the speed of this machine
+    jumps between seconds). The cache is filled once; after each timed forward the
+    attention caches are trimmed back (the Gated DeltaNet state just moves on: its cost
+    does not depend on its values)."""
     parts = model.mtp.parts
     cache = adapter.make_cache(parts, 1)
     logits, _ = adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)
     mx.eval(logits)
-    times = []
-    for _ in range(reps + 2):
+
+    def timed(T):
         t0 = time.perf_counter()
         logits, _ = adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)
         mx.eval(logits, *adapter.cache_arrays(cache))
-        times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
         for c in adapter.attention_caches(cache):
             c.trim_rows([T])
-    return statistics.median(times[2:])
+        return dt
+
+    ratios = {T: [] for T in sizes}
+    for r in range(reps + 2):
+        for T in sizes:
+            if r % 2:  # alternate which of the two goes first
+                one, many = timed(1), timed(T)
+            else:
+                many, one = timed(T), timed(1)
+            if r >= 2:  # the first two rounds warm up
+                ratios[T].append(many / one)
+    return {T: statistics.median(v) for T, v in ratios.items()}
 
 
-def run_mlx_lm(ref, tok, prompt, n, temp, seed):
-    """Tokens/s after the first token, by wall clock (the same method for every setting)."""
+def mlx_lm_tokens(ref, tok, prompt, n, temp, seed):
+    """mlx-lm's `stream_generate` (what users have today): yields tokens produced, then None."""
     mx.random.seed(seed)
-    count, t_first = 0, None
-    for resp in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=n, sampler=make_sampler(temp=temp)):
-        count = resp.generation_tokens
-        if t_first is None:
-            t_first = time.perf_counter()
-    return {"tps": (count - 1) / (time.perf_counter() - t_first), "tokens": count}
+    for _ in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=n, sampler=make_sampler(temp=temp)):
+        yield 1
+    yield None
 
 
-def run_mlxmtp(model, tok, prompt, n, temp, seed, enable_mtp, k):
-    count, t_first, ev = 0, None, None
-    for ev in stream_generate(model, tok, prompt, max_tokens=n, enable_mtp=enable_mtp, num_draft=k,
-                              params=SamplingParams(temperature=temp, seed=seed)):
-        count += len(ev.token_ids)
-        if t_first is None:
-            t_first = time.perf_counter()
-    return {"tps": (count - 1) / (time.perf_counter() - t_first), "tokens": count, "stats": ev.stats.as_dict()}
+def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out):
+    """mlxmtp on the engine the server runs (k: 0 = MTP off, a pinned depth, or "adaptive"):
+    returns (generator of tokens produced per step and then None, the engine); the
+    request's stats land in out["stats"]."""
+    engine = BatchGenerator(model, tok, enable_mtp=k != 0, num_draft=None if k in (0, "adaptive") else k)
+
+    def tokens():
+        for ev in stream_generate(model, tok, prompt, max_tokens=n, engine=engine,
+                                  params=SamplingParams(temperature=temp, seed=seed)):
+            if ev.stats is not None:  # on the last event
+                out["stats"] = ev.stats.as_dict()
+            yield len(ev.token_ids)
+        yield None
+
+    return tokens(), engine
+
+
+def interleaved(sides, chunk=16):
+    """Run generators in turns of `chunk` tokens each and time each side's own turns.
+
+    Tokens/s is counted after the first token (prefill excluded, as for every setting).
+    The device is synchronized at the end of every turn and the wait billed to that turn,
+    so no side's queued work runs in another's time; both sides lose their host/device
+    overlap once per turn (at most ~1% of a plain-decoding turn of 16 tokens: one graph
+    build; drafting cycles are synchronous and lose nothing, so this favours MTP by at
+    most that much). Turns alternate in order, and an engine is told the time spent in
+    the other side's turns (`skip_time`) so its depth policy does not bill it to a cycle.
+    Returns, per side, {"tokens", "seconds", "tps"}.
+    """
+    state = [{"tokens": 0, "seconds": 0.0, "done": False} for _ in sides]
+
+    def turn(i, limit):
+        gen, st, got = sides[i][0], state[i], 0
+        t0 = time.perf_counter()
+        while got < limit:
+            n = next(gen)
+            if n is None:
+                st["done"] = True
+                break
+            got += n
+        mx.synchronize()
+        dt = time.perf_counter() - t0
+        for j, (_, engine) in enumerate(sides):
+            if j != i and engine is not None:
+                engine.skip_time(dt)
+        return got, dt
+
+    for i in range(len(sides)):
+        got, _ = turn(i, 1)  # prefill and first token: not timed
+        state[i]["first"] = got
+    r = 0
+    while not all(st["done"] for st in state):
+        order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
+        for i in order:
+            if not state[i]["done"]:
+                got, dt = turn(i, chunk)
+                state[i]["tokens"] += got
+                state[i]["seconds"] += dt
+        r += 1
+    return [dict(st, tps=st["tokens"] / max(st["seconds"], 1e-9)) for st in state]
 
 
 def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False):
@@ -96,41 +161,40 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
     settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + [(f"mlxmtp k={k}", k) for k in depths] + [
         ("mlxmtp adaptive", "adaptive")]
     reps = 5 if quantized else 20
-    c1 = forward_cost(model, 1, reps=reps)
-    cost = {k: forward_cost(model, k + 1, reps=reps) / c1 for k in range(1, 5)}  # adaptive may use any depth
+    costs = forward_costs(model, [k + 1 for k in range(1, 5)], reps=reps)  # adaptive may use any depth
+    cost = {k: costs[k + 1] for k in range(1, 5)}
     for temp in temps:
-        mx.reset_peak_memory()
-        results = {name: [] for name, _ in settings}
+        # Warm-up: every setting alone once (the adaptive policy's cost calibration belongs
+        # to the model, once per server lifetime, so it is warmed up like the rest). Peak
+        # memory is measured here: interleaved runs hold both sides' buffers at once.
         peak = {}
-        # Warm-up. The adaptive policy's cost calibration belongs to the model (once per
-        # server lifetime, shared by all requests), so it is warmed up like the rest.
-        run_mlx_lm(ref, tok, prompts[0], 16, temp, 0)
-        run_mlxmtp(model, tok, prompts[0], 16, temp, 0, True, 1)
-        run_mlxmtp(model, tok, prompts[0], max_tokens, temp, 0, True, None)
+        for label, k in settings:
+            mx.reset_peak_memory()
+            gen = (mlx_lm_tokens(ref, tok, prompts[0], max_tokens, temp, 0) if k is None
+                   else mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {})[0])
+            for _ in gen:
+                pass
+            peak[label] = mx.get_peak_memory()
         ours = [(label, k) for label, k in settings if k is not None]
         ref_label = settings[0][0]
-        paired = {label: [] for label, _ in ours}  # per round: tok/s / mean of the mlx-lm runs beside it
+        results = {label: [] for label, _ in settings}
+        paired = {label: [] for label, _ in ours}  # per round: tok/s / tok/s of the mlx-lm run beside it
         for r in range(rounds):
             prompt = prompts[r % len(prompts)]
-            # Every mlxmtp run sits between two mlx-lm runs and is compared with their mean:
-            # this machine's speed drifts by tens of percent within seconds, so a baseline
-            # measured a whole round away would mostly measure the drift. Odd rounds run the
-            # settings in reverse order, so a drift during a round favours none of them.
-            before = _run(ref, model, tok, prompt, max_tokens, temp, r, None)
-            results[ref_label].append(before)
+            # Every mlxmtp run is paired with an mlx-lm run of the same prompt, the two in
+            # turns of 16 tokens (`interleaved`): this machine's speed jumps by tens of
+            # percent within seconds, and so both sides see the same phases. Odd rounds run
+            # the settings in reverse order.
             for label, k in (ours if r % 2 == 0 else ours[::-1]):
-                mx.reset_peak_memory()
-                res = _run(ref, model, tok, prompt, max_tokens, temp, r, k)
-                peak[label] = max(peak.get(label, 0), mx.get_peak_memory())
-                mx.reset_peak_memory()
-                after = _run(ref, model, tok, prompt, max_tokens, temp, r, None)
-                peak[ref_label] = max(peak.get(ref_label, 0), mx.get_peak_memory())
-                results[label].append(res)
-                results[ref_label].append(after)
-                paired[label].append(res["tps"] / ((before["tps"] + after["tps"]) / 2))
-                before = after
+                out = {}
+                mine = mlxmtp_tokens(model, tok, prompt, max_tokens, temp, r, k, out)
+                theirs = (mlx_lm_tokens(ref, tok, prompt, max_tokens, temp, r), None)
+                res, base = interleaved([mine, theirs])
+                results[label].append(dict(res, stats=out["stats"]))
+                results[ref_label].append(base)
+                paired[label].append(res["tps"] / base["tps"])
         print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds} "
-              "(medians; speedups: of each run against the mean of the two mlx-lm runs beside it)")
+              "(medians; speedups: of each run against the mlx-lm run interleaved with it)")
         print("forward cost relative to 1 token: " + ", ".join(f"T={k + 1}: {v:.2f}x" for k, v in cost.items()))
         cols = ["setting", "tok/s", "vs mlx-lm", "range", "acceptance by position", "tok/fwd", "ideal", "meas/ideal",
                 "peak MiB"]
@@ -139,7 +203,7 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
             tps = statistics.median(x["tps"] for x in results[label])
             ratios = paired.get(label, [1.0])
             vs_ref = statistics.median(ratios)
-            vs_off = statistics.median(x["tps"] / y["tps"] for x, y in zip(results[label], results["mlxmtp MTP off"]))
+            vs_off = statistics.median(x / y for x, y in zip(ratios, paired["mlxmtp MTP off"]))
             row = [label, f"{tps:.1f}", f"{vs_ref:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}" if label in paired else "",
                    "", "1.00" if k in (None, 0) else "", "", "", f"{peak[label] / 2**20:.0f}"]
             if k not in (None, 0):
@@ -159,15 +223,6 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
                     row[0] += " (depths used: " + ", ".join(f"{d}:{n}" for d, n in sorted(depths_used.items())) + ")"
             rows.append(row)
         _print_table(cols, rows, markdown)
-
-
-def _run(ref, model, tok, prompt, max_tokens, temp, seed, k):
-    """One request: mlx-lm (k None), mlxmtp MTP off (0), a pinned depth, or "adaptive"."""
-    if k is None:
-        return run_mlx_lm(ref, tok, prompt, max_tokens, temp, seed)
-    if k == 0:
-        return run_mlxmtp(model, tok, prompt, max_tokens, temp, seed, False, None)
-    return run_mlxmtp(model, tok, prompt, max_tokens, temp, seed, True, None if k == "adaptive" else k)
 
 
 def _pooled_by_position(stats):
@@ -199,8 +254,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=150)
     ap.add_argument("--max-tokens-quantized", type=int, default=80,
                     help="for quantized models (MLX's CPU quantized kernels are ~10x slower)")
-    ap.add_argument("--rounds", type=int, default=11)
-    ap.add_argument("--rounds-quantized", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds-quantized", type=int, default=4)
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()

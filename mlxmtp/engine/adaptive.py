@@ -31,7 +31,7 @@ content (prose after code) is followed too.
 
 On a backend where verifying k+1 tokens costs (k+1)x one token (this CPU's quantized
 kernels), E(k)/c(k) < 1/c(0) for every k > 0 and the policy settles on 0: as fast as MTP
-off, up to the probe cycles.
+off, up to the probe cycles, which are then rare (not even perfect drafts could pay).
 """
 
 from __future__ import annotations
@@ -218,6 +218,13 @@ class DepthPolicy:
             if best == 0:
                 loss += self._switch_cost(bucket)
             every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
+            if best == 0 and all((k + 1) / costs[k] <= mean[0] for k in others):
+                # Even drafts always kept would not beat plain decoding (k+1 tokens for a
+                # verify costing ~(k+1) steps: this CPU's quantized kernels), so acceptance
+                # has nothing to teach; only a change of the costs could, and those belong
+                # to the model and the machine. A rare probe still notices one (simulated,
+                # verify 1 + 1.2k steps: 56 probe cycles in 16200 instead of 197).
+                every = self.max_probe_every
             if self.cycles - self._last_probe >= every:
                 return self._start_probe(alt)
         return best

@@ -171,6 +171,11 @@ class BatchGenerator:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self._inbox)
 
+    def skip_time(self, seconds: float) -> None:
+        """Leave `seconds` the caller spent on other work between two steps out of the next
+        cycle's cost (bench/decode.py runs mlx-lm and this engine in turns, chunk by chunk)."""
+        self._last_finish += seconds
+
     # ---------------------------------------------------------------- the loop
     def step(self) -> List[Event]:
         events: List[Event] = []
