@@ -119,7 +119,8 @@ def interleaved(sides, chunk=16):
     build; drafting cycles are synchronous and lose nothing, so this favours MTP by at
     most that much). Turns alternate in order, and an engine is told the time spent in
     the other side's turns (`skip_time`) so its depth policy does not bill it to a cycle.
-    Returns, per side, {"tokens", "seconds", "tps"}.
+    Returns, per side, {"tokens", "seconds", "tps"} of the timed turns, "first" (tokens of
+    the untimed first turn) and "done".
     """
     state = [{"tokens": 0, "seconds": 0.0, "done": False} for _ in sides]
 
@@ -161,8 +162,8 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
     settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + [(f"mlxmtp k={k}", k) for k in depths] + [
         ("mlxmtp adaptive", "adaptive")]
     reps = 5 if quantized else 20
-    costs = forward_costs(model, [k + 1 for k in range(1, 5)], reps=reps)  # adaptive may use any depth
-    cost = {k: costs[k + 1] for k in range(1, 5)}
+    # by depth k: a verify of k+1 tokens (adaptive may use any depth)
+    cost = {T - 1: c for T, c in forward_costs(model, range(2, 6), reps=reps).items()}
     for temp in temps:
         # Warm-up: every setting alone once (the adaptive policy's cost calibration belongs
         # to the model, once per server lifetime, so it is warmed up like the rest). Peak

@@ -217,7 +217,6 @@ class DepthPolicy:
             loss = n * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
             if best == 0:
                 loss += self._switch_cost(bucket)
-            every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if best == 0 and all((k + 1) / costs[k] <= mean[0] for k in others):
                 # Even drafts always kept would not beat plain decoding (k+1 tokens for a
                 # verify costing ~(k+1) steps: this CPU's quantized kernels), so acceptance
@@ -225,6 +224,8 @@ class DepthPolicy:
                 # to the model and the machine. A rare probe still notices one (simulated,
                 # verify 1 + 1.2k steps: 56 probe cycles in 16200 instead of 197).
                 every = self.max_probe_every
+            else:
+                every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
             if self.cycles - self._last_probe >= every:
                 return self._start_probe(alt)
         return best
