@@ -2,10 +2,10 @@
 
 For each model and temperature, all settings run in ONE process, round by round, and
 every mlxmtp run is paired with an mlx-lm run of the same prompt, the two advancing in
-turns of 16 tokens and each timed on its own turns (this shared machine's speed jumps
-within seconds; whole runs one after the other differ by up to 30%, turns see the same
-phases). Only ratios are meaningful; the table gives their median and range over rounds. Also measures the
-cost of a (k+1)-token forward relative to a 1-token forward, from which the ideal speedup
+turns (16 tokens, 4 on a quantized model: ~0.3 s and ~1 s here), each timed on its own
+turns (this shared machine's speed jumps within seconds; whole runs one after the other
+differ by up to 30%, turns see the same phases). Only ratios are meaningful; the table
+gives their median and range over rounds. Also measures the cost of a (k+1)-token forward relative to a 1-token forward, from which the ideal speedup
 of depth k over plain decoding is
     ideal(k) = tokens_per_forward(k) / (cost(k+1 tokens) / cost(1 token))
 and measured/ideal is the engine's efficiency (draft cost and overhead included).
@@ -155,7 +155,7 @@ def interleaved(sides, chunk=16):
     return [dict(st, tps=st["tokens"] / max(st["seconds"], 1e-9)) for st in state]
 
 
-def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False):
+def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -183,18 +183,18 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
         for r in range(rounds):
             prompt = prompts[r % len(prompts)]
             # Every mlxmtp run is paired with an mlx-lm run of the same prompt, the two in
-            # turns of 16 tokens (`interleaved`): this machine's speed jumps by tens of
+            # turns of `chunk` tokens (`interleaved`): this machine's speed jumps by tens of
             # percent within seconds, and so both sides see the same phases. Odd rounds run
             # the settings in reverse order.
             for label, k in (ours if r % 2 == 0 else ours[::-1]):
                 out = {}
                 mine = mlxmtp_tokens(model, tok, prompt, max_tokens, temp, r, k, out)
                 theirs = (mlx_lm_tokens(ref, tok, prompt, max_tokens, temp, r), None)
-                res, base = interleaved([mine, theirs])
+                res, base = interleaved([mine, theirs], chunk=chunk)
                 results[label].append(dict(res, stats=out["stats"]))
                 results[ref_label].append(base)
                 paired[label].append(res["tps"] / base["tps"])
-        print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds} "
+        print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds}   turns={chunk} tokens "
               "(medians; speedups: of each run against the mlx-lm run interleaved with it)")
         print("forward cost relative to 1 token: " + ", ".join(f"T={k + 1}: {v:.2f}x" for k, v in cost.items()))
         cols = ["setting", "tok/s", "vs mlx-lm", "range", "acceptance by position", "tok/fwd", "ideal", "meas/ideal",
@@ -256,7 +256,10 @@ def main():
     ap.add_argument("--max-tokens-quantized", type=int, default=80,
                     help="for quantized models (MLX's CPU quantized kernels are ~10x slower)")
     ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--rounds-quantized", type=int, default=4)
+    ap.add_argument("--rounds-quantized", type=int, default=6)
+    ap.add_argument("--chunk", type=int, default=16, help="tokens per turn of the interleaved runs")
+    ap.add_argument("--chunk-quantized", type=int, default=4,
+                    help="the same for quantized models: ~1 s turns there, like ~0.3 s on the demo")
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -276,7 +279,8 @@ def main():
                 path, quantized = name, bool(inspect_model(name).get("quantization"))
             n = args.max_tokens_quantized if quantized else args.max_tokens
             rounds = args.rounds_quantized if quantized else args.rounds
-            bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized)
+            chunk = args.chunk_quantized if quantized else args.chunk
+            bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized, chunk)
 
 
 if __name__ == "__main__":

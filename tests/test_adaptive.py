@@ -88,6 +88,27 @@ def test_no_frequent_probes_where_even_perfect_drafts_would_not_pay():
     assert sum(tps for _, tps in runs) / len(runs) > 0.991
 
 
+def test_a_depth_measured_once_does_not_make_drafting_look_worth_probing():
+    # k = 1 measured many times at 2.1 plain steps (no k could pay: this CPU's quantized
+    # kernels), k = 2 once, at a noisy 2.3: a line through both prices k = 4 at 2.7, where
+    # perfect drafts would pay; only depths measured a few times may decide that nothing
+    # can pay (the 4-bit demo had a probe that way).
+    pol = DepthPolicy()
+    table = pol._costs(1)
+    for i in range(8):
+        table.add(0, 1.0, 2 * i)
+        table.add(1, 2.1, 2 * i + 1)
+    table.add(2, 2.3, 17)
+    pol.cycles = 20
+    assert table.costs([4])[4] < 5 / 1.05  # what the line says
+    chosen = []
+    for _ in range(1500):
+        k = pol.choose(1, classes=["greedy"])
+        pol.update(k, 1, None, [0], ["greedy"])
+        chosen.append(k)
+    assert chosen.count(0) == len(chosen)
+
+
 def test_a_slow_stretch_of_the_machine_does_not_flip_the_choice():
     # The machine is 1.8x slower for cycles 150-400 (another process took a core):
     # probes taken then must not make drafting look worse than plain decoding did before.

@@ -8,7 +8,7 @@ import pytest
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.rejection_sampler import accept_sampled
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling import RowSampler, SamplingParams
 from mlxmtp.models.load import load
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
@@ -59,6 +59,29 @@ def test_rejection_sampler_first_token_follows_target(k, rule, should_match):
     expected = p[0] * N
     stat = (((counts - expected) ** 2) / expected).sum()
     assert (stat < CHI2_999[V - 1]) == should_match, stat
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_temperature_only_sampler_is_mlx_lms_distribution(dtype):
+    # The compiled temperature-only path against the filtered path's formula (mlx-lm's
+    # order: log-softmax, then temperature, then log-softmax again), and its draws against
+    # the exact distribution.
+    V, temp, N = 8, 0.6, 4000
+    rng = np.random.default_rng(1)
+    logits = mx.array(rng.normal(size=(2, V)) * 2, dtype=dtype)
+    fast = RowSampler(SamplingParams(temperature=temp, seed=3))
+    slow = RowSampler(SamplingParams(temperature=temp, seed=3, top_p=1.0 - 1e-9))  # no token cut
+    assert not fast.filtered and slow.filtered
+    lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    want = lp / temp - mx.logsumexp(lp / temp, axis=-1, keepdims=True)
+    for s in (fast, slow):
+        assert mx.allclose(s.logprobs(logits).astype(mx.float32), want, atol=2e-2 if dtype == mx.float16 else 1e-5)
+    draws = np.array(mx.stack([fast.draw(logits) for _ in range(N)]))  # [N, 2]
+    for row in range(2):
+        counts = np.bincount(draws[:, row], minlength=V)
+        expected = np.exp(np.array(want[row])) * N
+        stat = (((counts - expected) ** 2) / expected).sum()
+        assert stat < CHI2_999[V - 1], (row, stat)
 
 
 class OracleDraftEngine(BatchGenerator):

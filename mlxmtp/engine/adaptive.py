@@ -217,12 +217,15 @@ class DepthPolicy:
             loss = n * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
             if best == 0:
                 loss += self._switch_cost(bucket)
-            if best == 0 and all((k + 1) / costs[k] <= mean[0] for k in others):
+            measured = [k for k in others if self._calibrated(bucket, k)]
+            if best == 0 and measured and all((k + 1) / costs[k] <= mean[0] for k in measured):
                 # Even drafts always kept would not beat plain decoding (k+1 tokens for a
                 # verify costing ~(k+1) steps: this CPU's quantized kernels), so acceptance
                 # has nothing to teach; only a change of the costs could, and those belong
                 # to the model and the machine. A rare probe still notices one (simulated,
-                # verify 1 + 1.2k steps: 56 probe cycles in 16200 instead of 197).
+                # verify 1 + 1.2k steps: 56 probe cycles in 16200 instead of 197). Only
+                # depths measured a few times count: a line through two noisy costs, taken
+                # out to k = 4, let a probe through on the 4-bit demo (session 6).
                 every = self.max_probe_every
             else:
                 every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))

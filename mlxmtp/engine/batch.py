@@ -534,25 +534,21 @@ class BatchGenerator:
             lg = logits[b]
             if r.sampler.procs:
                 lg = r.sampler.process(lg, self._contexts(r, drafts[b], T))
-            if r.sampler.params.greedy:
-                if k == 0:
-                    kb, tb = mx.array(0), mx.argmax(lg, axis=-1)
-                else:
-                    kb, tb = accept_greedy(lg[None], drafts[b][None])
-                    kb, tb = kb[0], tb[0]
+            if k == 0:
+                tb = mx.argmax(lg, axis=-1) if r.sampler.params.greedy else r.sampler.draw(lg)
+            elif r.sampler.params.greedy:
+                kb, tb = accept_greedy(lg[None], drafts[b][None])
+                kepts.append(kb[0])
+                tb = tb[0]
             else:
-                p = r.sampler.logprobs(lg)
-                if k == 0:
-                    kb, tb = mx.array(0), sample(p, r.sampler.next_key())
-                else:
-                    kb, tb = accept_sampled(p, q_rows[b], drafts[b], r.sampler.next_key(),
-                                            rule=self.acceptance_rule)
-            kepts.append(kb)
+                kb, tb = accept_sampled(r.sampler.logprobs(lg), q_rows[b], drafts[b], r.sampler.next_key(),
+                                        rule=self.acceptance_rule)
+                kepts.append(kb)
             toks.append(tb.astype(mx.int32))
             if want_lp:
                 lps.append(_token_logprobs(lg[None], tb[None])[0])
-        return (mx.stack(kepts).astype(mx.int32), mx.stack(toks),
-                mx.stack(lps) if want_lp else None)
+        kept = mx.stack(kepts).astype(mx.int32) if k else mx.zeros((B,), dtype=mx.int32)
+        return kept, mx.stack(toks), mx.stack(lps) if want_lp else None
 
     def _sample_single(self, row: Row, logits: mx.array) -> int:
         lg = logits
@@ -561,7 +557,7 @@ class BatchGenerator:
         if row.sampler.params.greedy:
             tok = mx.argmax(lg, axis=-1)
         else:
-            tok = sample(row.sampler.logprobs(lg), row.sampler.next_key())
+            tok = row.sampler.draw(lg)
         if row.req.logprobs is not None:
             row.first_lp = _token_logprobs(lg, tok)[0].item()
         return int(tok.item())

@@ -56,6 +56,23 @@ class SamplingParams:
         )
 
 
+# Temperature alone (no filter), the usual case, as single compiled graphs: one step of
+# the tiny demo model is ~20 ms, and the same draw built from separate operations (two
+# log-softmaxes, then the draw) made plain decoding at temperature 0.6 ~9% slower than
+# with these (demo, 10 interleaved requests of 200 tokens; 0.93x of mlx-lm, whose
+# sampler is compiled too, against 1.02x). The log-softmax of the log-softmax over T is
+# the log-softmax of logits / T; a Gumbel draw does not depend on the normalisation.
+@mx.compile
+def _tempered_logprobs(logits: mx.array, inv_temp: mx.array) -> mx.array:
+    lp = logits * inv_temp
+    return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+
+
+@mx.compile
+def _tempered_draw(logits: mx.array, inv_temp: mx.array, key: mx.array) -> mx.array:
+    return mx.random.categorical(logits * inv_temp, key=key)
+
+
 class RowSampler:
     """Sampling state of one request: its processors, filters and random key."""
 
@@ -63,6 +80,8 @@ class RowSampler:
         self.params = params
         self.procs = params.processors()
         self.key = mx.random.key(params.seed) if params.seed is not None else None
+        self.filtered = 0 < params.top_p < 1.0 or params.min_p != 0.0 or params.top_k > 0
+        self._inv_temp = mx.array(1.0 / params.temperature, mx.float32) if params.temperature > 0 else None
 
     def next_key(self):
         if self.key is None:
@@ -85,6 +104,8 @@ class RowSampler:
     def logprobs(self, logits: mx.array) -> mx.array:
         """Processed logits [T, V] -> the log-distribution a sample is drawn from."""
         p = self.params
+        if not self.filtered:
+            return _tempered_logprobs(logits, self._inv_temp)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < p.top_p < 1.0:
             lp = apply_top_p(lp, p.top_p)
@@ -94,3 +115,9 @@ class RowSampler:
             lp = apply_top_k(lp, p.top_k)
         lp = lp * (1.0 / p.temperature)
         return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """Processed logits [T, V] -> one token per row, drawn from logprobs(logits)."""
+        if not self.filtered:
+            return _tempered_draw(logits, self._inv_temp, self.next_key())
+        return mx.random.categorical(self.logprobs(logits), key=self.next_key())
