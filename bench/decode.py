@@ -5,8 +5,9 @@ every mlxmtp run is paired with an mlx-lm run of the same prompt, the two advanc
 turns (16 tokens, 4 on a quantized model: ~0.3 s and ~1 s here), each timed on its own
 turns (this shared machine's speed jumps within seconds; whole runs one after the other
 differ by up to 30%, turns see the same phases). Only ratios are meaningful; the table
-gives their median and range over rounds. Also measures the cost of a (k+1)-token forward relative to a 1-token forward, from which the ideal speedup
-of depth k over plain decoding is
+gives their median and range over rounds. Also measures the cost of a (k+1)-token
+forward relative to a 1-token forward, from which the ideal speedup of depth k over
+plain decoding is
     ideal(k) = tokens_per_forward(k) / (cost(k+1 tokens) / cost(1 token))
 and measured/ideal is the engine's efficiency (draft cost and overhead included).
 
