@@ -12,15 +12,10 @@ from mlxmtp.server.chat import (
     openai_messages,
     render,
 )
-from mlxmtp.server.errors import (
-    APIError,
-    anthropic_error_body,
-    field,
-    openai_error_body,
-    parse_json_body,
-)
+from mlxmtp.server.errors import APIError, anthropic_error_body, openai_error_body
 from mlxmtp.server.reasoning import OutputSplitter, split_all, starts_in_thinking
 from mlxmtp.server.tool_parsers import ToolParseError, parse_tool_call
+from mlxmtp.server.validation import field, parse_json_body
 
 TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
     "path": {"type": "string"}, "line": {"type": "integer"}, "force": {"type": "boolean"},

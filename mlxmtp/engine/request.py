@@ -10,6 +10,11 @@ from .sampling import SamplingParams
 
 _ids = itertools.count(1)
 
+# The deepest draft the engine runs: the HTTP layer, both CLIs and the depth policy take
+# their bounds from this one constant.
+MAX_DRAFT_DEPTH = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+
 
 @dataclass
 class Request:
@@ -22,13 +27,18 @@ class Request:
     logprobs: Optional[int] = None  # None: none; 0: chosen token only; n: plus top n
     id: int = field(default_factory=lambda: next(_ids))
 
-    def validate(self, vocab_size: Optional[int] = None) -> None:
+    def validate(self, vocab_size: Optional[int] = None, max_depth: int = MAX_DRAFT_DEPTH) -> None:
+        """Raise ValueError for anything that could fail inside the engine's step."""
         if not self.prompt:
             raise ValueError("the prompt is empty")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if vocab_size is not None and (min(self.prompt) < 0 or max(self.prompt) >= vocab_size):
             raise ValueError("prompt token id out of range")
+        if self.num_draft is not None and not 0 <= self.num_draft <= max_depth:
+            raise ValueError(f"num_draft must be in [0, {max_depth}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         self.params.validate(vocab_size)
 
 

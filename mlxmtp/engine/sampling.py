@@ -9,6 +9,8 @@ mlx-lm's own functions.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -30,6 +32,13 @@ class SamplingParams:
     logits_processors: List[Callable] = field(default_factory=list)
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
+        numbers = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                   "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                   "frequency_penalty": self.frequency_penalty}
+        numbers.update({f"logit_bias[{t}]": v for t, v in (self.logit_bias or {}).items()})
+        for name, value in numbers.items():
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -42,6 +51,10 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError("seed must be in [0, 2**64)")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in (self.logit_bias or {})):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -85,7 +98,7 @@ class RowSampler:
 
     def next_key(self):
         if self.key is None:
-            return mx.random.key(int.from_bytes(__import__("os").urandom(4), "little"))
+            return mx.random.key(int.from_bytes(os.urandom(4), "little"))
         self.key, sub = mx.random.split(self.key)
         return sub
 

@@ -11,10 +11,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..engine.request import Request
 from .chat import anthropic_messages, anthropic_tools, render
-from .errors import APIError, field, parse_json_body, string_list
-from .generation import Generation, finish_error, num_draft, sampling_params
+from .errors import APIError
+from .generation import Generation, finish_error
 from .openai_api import SSE_HEADERS, _collect, _guarded
 from .reasoning import OutputSplitter
+from .validation import field, num_draft, parse_json_body, sampling_params, string_list
 
 
 def _event(name: str, data: dict) -> str:
@@ -70,7 +71,7 @@ async def messages(request: HTTPRequest):
     thinking = _thinking_flag(body)
     stop = string_list(body, "stop_sequences")
     stream = field(body, "stream", bool, default=False)
-    params = sampling_params(body, anthropic=True)
+    params = sampling_params(body, state.vocab_size, anthropic=True)
     ids, _, in_think = render(state.tok, msgs, tools, thinking)
     req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, num_draft=num_draft(body))
     gen = Generation(state, req, splitter=OutputSplitter(in_thinking=in_think, parse_tools=bool(tools), tools=tools),

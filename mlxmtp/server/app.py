@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.batch import BatchGenerator
+from ..models.family import text_parts
 from . import anthropic_api, openai_api
 from .engine_thread import EngineBridge
 from .errors import APIError, error_response, is_anthropic_path
@@ -34,6 +35,8 @@ class ServerState:
     eos_ids: set
     mtp_active: bool
     mtp_disabled_reason: Optional[str]
+    vocab_size: int
+    context_length: int  # prompt + output tokens a request may reach
     max_prompt_tokens: Optional[int] = None
     aliases: set = field(default_factory=set)
     request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
@@ -47,7 +50,10 @@ class ServerState:
 def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool = True,
                num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
                prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
-               request_hook: Optional[Callable] = None) -> Starlette:
+               request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
+               max_body_mb: float = 8.0) -> Starlette:
+    """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
+    request bodies over `max_body_mb` MiB get 413."""
     att = getattr(model, "mtp", None)
     _materialize(model)
     mtp_active = bool(enable_mtp and att is not None and att.active)
@@ -64,9 +70,11 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     names = set(aliases)
     if "/" in model_id or Path(model_id).name != model_id:
         names.add(Path(model_id).name)  # a local path also answers to its folder name
+    args = text_parts(model).args
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
-                        mtp_active=mtp_active, mtp_disabled_reason=reason, max_prompt_tokens=max_prompt_tokens,
-                        aliases=names, request_hook=request_hook)
+                        mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
+                        context_length=context_length or args.max_position_embeddings,
+                        max_prompt_tokens=max_prompt_tokens, aliases=names, request_hook=request_hook)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -108,7 +116,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.server = state
-    return _Outer(app, state, api_key)
+    return _Outer(app, state, api_key, int(max_body_mb * 2**20))
 
 
 def _materialize(model) -> None:
@@ -125,12 +133,13 @@ def _materialize(model) -> None:
 
 class _Outer:
     """Pure ASGI wrapper (not BaseHTTPMiddleware, which breaks streaming disconnects):
-    API-key check and per-endpoint request counting."""
+    API-key check, the request body limit and per-endpoint request counting."""
 
-    def __init__(self, app: Starlette, state: ServerState, api_key: Optional[str]):
+    def __init__(self, app: Starlette, state: ServerState, api_key: Optional[str], max_body: int):
         self.app = app
         self.state = app.state  # tests and tools reach the ServerState as app.state.server
         self.api_key = api_key
+        self.max_body = max_body
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -149,10 +158,27 @@ class _Outer:
                                code="invalid_api_key")
                 await error_response(err, path)(scope, receive, send_wrapper)
                 return
-            await self.app(scope, receive, send_wrapper)
+            if self._declared_length(scope) > self.max_body:
+                await error_response(self._too_large(), path)(scope, receive, send_wrapper)
+                return
+            await self.app(scope, _limited(receive, self.max_body, self._too_large), send_wrapper)
         finally:
             endpoint = path if path in _ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
             self.state.server.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body // 2**20} MiB (--max-body-mb)",
+                        code="request_too_large")
+
+    @staticmethod
+    def _declared_length(scope) -> int:
+        for k, v in scope.get("headers", []):
+            if k.lower() == b"content-length":
+                try:
+                    return int(v)
+                except ValueError:
+                    return 0
+        return 0
 
     def _authorized(self, scope) -> bool:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -161,6 +187,23 @@ class _Outer:
         if given is None and auth.lower().startswith("bearer "):
             given = auth[7:].strip()
         return given is not None and hmac.compare_digest(given.encode(), self.api_key.encode())
+
+
+def _limited(receive, limit: int, error: Callable[[], APIError]):
+    """`receive` that raises once the body passes `limit` bytes (a chunked body declares
+    no length); the app's handler turns the APIError into a 413."""
+    seen = 0
+
+    async def wrapped():
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise error()
+        return message
+
+    return wrapped
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",

@@ -81,6 +81,20 @@ class EngineBridge:
                 self.engine.cancel(request_id)
         self._wake.set()
 
+    def abort_all(self, message: str) -> int:
+        """End every open request with an error event carrying `message` (a shutdown that
+        ran out of time): each stream then closes with its API's final error event.
+        Returns how many requests were ended."""
+        with self._lock:
+            ids = list(self._queues)
+            if self.engine is not None:
+                for rid in ids:
+                    self.engine.cancel(rid)
+        for rid in ids:
+            self._dispatch(Event(rid, [], "", "error", error=message))
+        self._wake.set()
+        return len(ids)
+
     @property
     def num_active(self) -> int:
         return self.engine.num_active if self.engine is not None else 0

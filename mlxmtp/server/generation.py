@@ -7,41 +7,10 @@ import time
 from typing import AsyncIterator, List, Optional, Tuple
 
 from ..engine.request import Event, Request
-from ..engine.sampling import SamplingParams
-from .errors import APIError, field
+from .errors import APIError
 from .reasoning import OutputSplitter, Piece
 
 DEFAULT_MAX_TOKENS = 4096
-
-
-def sampling_params(body: dict, *, anthropic: bool = False) -> SamplingParams:
-    """Sampling fields common to the APIs (extras like top_k/min_p as vLLM accepts them)."""
-    temperature = field(body, "temperature", float, default=0.0, minimum=0.0)
-    top_p = field(body, "top_p", float, default=1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0)
-    top_k = field(body, "top_k", int, default=0, minimum=-1)
-    min_p = field(body, "min_p", float, default=0.0, minimum=0.0, maximum=1.0)
-    seed = field(body, "seed", int)
-    rep = field(body, "repetition_penalty", float, minimum=0.0, exclusive_minimum=True)
-    pres = freq = bias = None
-    if not anthropic:
-        pres = field(body, "presence_penalty", float, minimum=-2.0, maximum=2.0)
-        freq = field(body, "frequency_penalty", float, minimum=-2.0, maximum=2.0)
-        raw_bias = field(body, "logit_bias", dict)
-        if raw_bias:
-            try:
-                bias = {int(k): float(v) for k, v in raw_bias.items()}
-            except (TypeError, ValueError) as e:
-                raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias") from e
-    return SamplingParams(
-        temperature=float(temperature), top_p=float(top_p), top_k=max(0, top_k), min_p=float(min_p),
-        repetition_penalty=rep, presence_penalty=pres or None, frequency_penalty=freq or None,
-        logit_bias=bias, seed=seed,
-    )
-
-
-def num_draft(body: dict) -> Optional[int]:
-    """Non-standard `num_draft`: pin this request's MTP depth (0 = no drafting)."""
-    return field(body, "num_draft", int, minimum=0, maximum=16)
 
 
 class Generation:

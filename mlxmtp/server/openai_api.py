@@ -12,9 +12,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..engine.request import Request
 from .chat import encode_prompt, openai_messages, openai_tools, render
-from .errors import APIError, field, parse_json_body, string_list
-from .generation import DEFAULT_MAX_TOKENS, Generation, finish_error, num_draft, sampling_params
+from .errors import APIError
+from .generation import DEFAULT_MAX_TOKENS, Generation, finish_error
 from .reasoning import OutputSplitter
+from .validation import field, num_draft, parse_json_body, sampling_params, string_list
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -149,7 +150,7 @@ async def chat_completions(request: HTTPRequest):
     want_lp = field(body, "logprobs", bool, default=False)
     field(body, "top_logprobs", int, minimum=0, maximum=20)
     stream, include_usage = _stream_flags(body)
-    params = sampling_params(body)
+    params = sampling_params(body, state.vocab_size)
     draft = num_draft(body)
     ids, _, in_think = render(state.tok, messages, tools, thinking, kwargs)
     req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop,
@@ -234,7 +235,7 @@ async def completions(request: HTTPRequest):
     stop = string_list(body, "stop")
     lp_n = field(body, "logprobs", int, minimum=0, maximum=5)
     stream, include_usage = _stream_flags(body)
-    params = sampling_params(body)
+    params = sampling_params(body, state.vocab_size)
     req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop,
                   logprobs=0 if lp_n is not None else None, num_draft=num_draft(body))
     gen = Generation(state, req, splitter=None, body=body)
