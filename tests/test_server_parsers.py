@@ -172,8 +172,8 @@ def test_render_with_fixture_template(tmp_path):
     assert tok.decode(ids) == text
     _, text_on, _ = render(tok, msgs, None, enable_thinking=True)
     assert "<tools>" not in text_on and not text_on.endswith("</think>\n\n")
-    assert encode_prompt(tok, "abc")[0] == tok.encode("abc", add_special_tokens=False)
-    assert encode_prompt(tok, [[1, 2, 3]])[0] == [1, 2, 3]
+    assert encode_prompt(tok, "abc") == tok.encode("abc", add_special_tokens=False)
+    assert encode_prompt(tok, [[1, 2, 3]]) == [1, 2, 3]
 
 
 # ------------------------------------------------------------------ errors

@@ -28,6 +28,7 @@ import mlx.core as mx
 from ..models import gdn_capture
 from . import mlx_lm_adapter as adapter
 from .adaptive import DepthPolicy
+from .failures import CycleSnapshot, RowFailure, blame
 from .prefix_cache import PrefixCache
 from .proposer import Segment, draft, drop_pending, head_pass, pending_array, pending_count
 from .rejection_sampler import accept_greedy, accept_sampled, sample
@@ -65,7 +66,7 @@ class Row:
     done_prompt: int = 0
     t0: float = 0.0
     last_logits: Optional[mx.array] = None
-    first_lp: float = 0.0
+    first_lp: Optional[list] = None  # the first token's logprob table row (see _logprob_table)
 
 
 @dataclass
@@ -76,7 +77,7 @@ class _Cycle:
     k: int
     kept: mx.array  # [B] drafts kept per row
     tokens: mx.array  # [B, k+1]; row b emits tokens[b, : kept[b] + 1]
-    lps: Optional[mx.array]
+    lps: Optional[mx.array]  # [B, k+1, 1 + 2n] logprob tables (see _logprob_table), or None
     hidden: mx.array  # [B, k+1, H] head inputs
     records: list  # Gated DeltaNet per-position states of the verify
     t0: float
@@ -182,11 +183,8 @@ class BatchGenerator:
         if self._inflight is not None and (self._inbox or self._cancel or self.waiting):
             self._drain(events)  # joins and cancellations change the batch: settle it first
         self._take_inbox(events)
-        # At most `prefill_step` prompt tokens per step, so decoding rows never wait long;
-        # short (or fully cached) prompts join several per step.
-        budget = self.prefill_step
-        while self.waiting and len(self.rows) < self.max_batch and budget > 0:
-            budget -= self._prefill_chunk(self.waiting[0], events, budget)
+        if self.waiting and len(self.rows) < self.max_batch:
+            self._prefill(events)
             self._timing = None  # prefill time must not be billed to a decode cycle
         if self.rows:
             self._decode_cycle(events)
@@ -197,7 +195,11 @@ class BatchGenerator:
             new, self._inbox = list(self._inbox), deque()
             cancel, self._cancel = self._cancel, set()
         for req in new:
-            self.waiting.append(self._new_row(req))
+            try:
+                with blame(req.id):
+                    self.waiting.append(self._new_row(req))
+            except RowFailure as f:
+                events.append(_failed(req.id, f, None))
         if cancel:
             for r in [r for r in self.waiting if r.req.id in cancel]:
                 self.waiting.remove(r)
@@ -213,8 +215,43 @@ class BatchGenerator:
                    stats=RequestStats(prompt_tokens=len(req.prompt)), detok=self.tokenizer.detokenizer)
 
     # ---------------------------------------------------------------- prefill (B=1)
-    def _prefill_chunk(self, row: Row, events: List[Event], budget: int) -> int:
-        """Advance one chunk of `row`'s prefill; returns the prompt tokens it processed (>= 1)."""
+    def _prefill(self, events: List[Event]) -> None:
+        """Short prompts first, each whole, then one chunk of the oldest long prompt.
+
+        A prompt that fits in one chunk never waits behind a long one for more than that
+        long prompt's current chunk, and a long prompt still advances every step. Chunks
+        start at fixed offsets (multiples of `prefill_step`), whatever else is waiting, so
+        a prompt's prefill computes the same numbers under any load."""
+        budget = self.prefill_step
+        for row in [r for r in self.waiting if _left(r) <= self.prefill_step]:
+            if budget <= 0 or len(self.rows) >= self.max_batch:
+                break
+            budget -= _left(row)
+            self._prefill_row(row, events, whole=True)
+        long = next((r for r in self.waiting if _left(r) > self.prefill_step), None)
+        if long is not None and len(self.rows) < self.max_batch:
+            self._prefill_row(long, events, whole=False)
+
+    def _prefill_row(self, row: Row, events: List[Event], whole: bool) -> None:
+        """Advance `row`'s prefill by one chunk (or to its end), join it to the batch when
+        its first token is out. A failure here is the row's alone (its caches are its own)."""
+        try:
+            with blame(row.req.id):
+                ready = self._prefill_chunk(row)
+                while whole and not ready:
+                    ready = self._prefill_chunk(row)
+                finished = ready and self._first_token(row, events)
+        except RowFailure as f:
+            self.waiting.remove(row)
+            events.append(_failed(row.req.id, f, row.stats))
+            return
+        if ready:
+            self.waiting.remove(row)
+            if not finished:
+                self._join_batch(row)
+
+    def _prefill_chunk(self, row: Row) -> bool:
+        """Feed `row`'s next prompt chunk; True once the whole prompt is in."""
         prompt = row.req.prompt
         if row.cache is None:
             row.t0 = time.perf_counter()
@@ -222,27 +259,27 @@ class BatchGenerator:
         # Like mlx-lm: chunks over prompt[:-1], then the last token alone.
         todo = len(prompt) - 1 - row.done_prompt
         if todo > 0:
-            n = min(todo, budget)
+            n = min(todo, self.prefill_step - row.done_prompt % self.prefill_step)
             self._prefill_tokens(row, prompt[row.done_prompt : row.done_prompt + n])
             row.done_prompt += n
-            return n
-        used = 1
+            return False
         if row.done_prompt < len(prompt):
             logits = self._prefill_tokens(row, prompt[-1:])
             row.done_prompt = len(prompt)
             row.last_logits = logits[0, -1]
             self.prefix_cache.store(prompt, row.cache, row.head_cache, pending_array(row.pend), row.pend_t,
                                     row.last_logits)
-        self.waiting.popleft()
+        return True
+
+    def _first_token(self, row: Row, events: List[Event]) -> bool:
+        """Sample and emit the first token (from the prompt's last logits, as in plain
+        decoding); True if that already finished the request."""
         row.stats.prefill_seconds = time.perf_counter() - row.t0
-        # The first token comes from the prompt's last logits, as in plain decoding.
         first = self._sample_single(row, row.last_logits[None])
         row.y = first
         if self.head is not None:
             row.pend_t.append(first)
-        if not self._emit(row, [first], events):
-            self._join_batch(row)
-        return used
+        return bool(self._emit(row, [first], events))
 
     def _start_prefill(self, row: Row) -> None:
         entry = self.prefix_cache.lookup(row.req.prompt) if self.prefix_cache.max_bytes > 0 else None
@@ -323,7 +360,13 @@ class BatchGenerator:
             # depth (the head catches up on the pending inputs, nothing overlaps) is the
             # price of every switch; the policy weighs it against what a probe can teach.
             self._switched = k > 0
-        rec = self._launch(k, self._inflight if pipelined else None)
+        snapshot = CycleSnapshot([self.cache, self.head_cache], [r.sampler for r in self.rows])
+        try:
+            rec = self._launch(k, self._inflight if pipelined else None)
+        except RowFailure as f:
+            snapshot.restore()  # undo the build, drop the row, rebuild next step without it
+            self._fail_rows([f], events)
+            return
         if not pipelined:
             # The caches are evaluated with the tokens: the work is due anyway, and leaving
             # it lazy would bill this cycle's cost to the next one (and skew the depth policy).
@@ -394,7 +437,12 @@ class BatchGenerator:
         for b, row in enumerate(rows):
             emitted = tok_l[b][: kept_l[b] + 1]
             row.stats.record_cycle(k, kept_l[b], len(emitted))
-            n = self._emit(row, emitted, events, lp_l[b] if lp_l is not None else None)
+            try:
+                with blame(row.req.id):
+                    n = self._emit(row, emitted, events, lp_l[b] if lp_l is not None else None)
+            except RowFailure as f:  # its output failed (e.g. detokenizing): it ends here
+                events.append(_failed(row.req.id, f, row.stats))
+                n = len(emitted)
             consumed.append(n if n else len(emitted))
             if n:
                 finished.append(b)
@@ -449,6 +497,15 @@ class BatchGenerator:
                 self._store_finished(b)
         self._drop_rows(finished)
 
+    def _fail_rows(self, failures: List[RowFailure], events: List[Event]) -> None:
+        ids = {f.request_id: f for f in failures}
+        gone = [i for i, r in enumerate(self.rows) if r.req.id in ids]
+        for i in gone:
+            row = self.rows[i]
+            events.append(_failed(row.req.id, ids[row.req.id], row.stats))
+        self._drop_rows(gone)
+        self._timing = None  # the interval to the next cycle includes the failed build
+
     def _forget_pending(self) -> None:
         """While the policy stays at plain decoding, drop all but the last KEEP_WHILE_PLAIN
         pending head inputs of every row instead of feeding them to the head.
@@ -501,17 +558,10 @@ class BatchGenerator:
                 return mx.argmax(logits, axis=-1), [None] * len(rows)
             toks, qs = [], []
             for b, r in enumerate(rows):
-                lg = logits[b : b + 1]
-                if r.sampler.procs:
-                    ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32), so_far[b]])
-                    lg = r.sampler.process(lg, [ctx])
-                if r.sampler.params.greedy:
-                    toks.append(mx.argmax(lg, axis=-1)[0])
-                    qs.append(None)
-                else:
-                    lp = r.sampler.logprobs(lg)
-                    toks.append(sample(lp, r.sampler.next_key())[0])
-                    qs.append(lp[0])
+                with blame(r.req.id):
+                    tok, q = _pick_row(r, logits[b : b + 1], so_far[b])
+                toks.append(tok)
+                qs.append(q)
             return mx.stack(toks), qs
 
         return pick
@@ -521,34 +571,42 @@ class BatchGenerator:
         B, T = logits.shape[0], logits.shape[1]
         k = T - 1
         want_lp = any(r.req.logprobs is not None for r in rows)
+        top_n = max((r.req.logprobs or 0) for r in rows)
         if all(r.sampler.params.greedy and not r.sampler.procs for r in rows):
             if k == 0:
                 tokens = mx.argmax(logits, axis=-1)
                 kept = mx.zeros((B,), dtype=mx.int32)
             else:
                 kept, tokens = accept_greedy(logits, drafts)
-            lps = _token_logprobs(logits, tokens) if want_lp else None
+            lps = _logprob_table(logits, tokens, top_n) if want_lp else None
             return kept, tokens, lps
         kepts, toks, lps = [], [], []
         for b, r in enumerate(rows):
-            lg = logits[b]
-            if r.sampler.procs:
-                lg = r.sampler.process(lg, self._contexts(r, drafts[b], T))
-            if k == 0:
-                tb = mx.argmax(lg, axis=-1) if r.sampler.params.greedy else r.sampler.draw(lg)
-            elif r.sampler.params.greedy:
-                kb, tb = accept_greedy(lg[None], drafts[b][None])
-                kepts.append(kb[0])
-                tb = tb[0]
-            else:
-                kb, tb = accept_sampled(r.sampler.logprobs(lg), q_rows[b], drafts[b], r.sampler.next_key(),
-                                        rule=self.acceptance_rule)
-                kepts.append(kb)
-            toks.append(tb.astype(mx.int32))
-            if want_lp:
-                lps.append(_token_logprobs(lg[None], tb[None])[0])
+            with blame(r.req.id):
+                kb, tb, lb = self._accept_row(r, logits[b], drafts[b], q_rows[b], top_n if want_lp else None)
+            kepts.append(kb)
+            toks.append(tb)
+            lps.append(lb)
         kept = mx.stack(kepts).astype(mx.int32) if k else mx.zeros((B,), dtype=mx.int32)
         return kept, mx.stack(toks), mx.stack(lps) if want_lp else None
+
+    def _accept_row(self, r: Row, lg: mx.array, drafts: mx.array, q: Optional[mx.array], top_n: Optional[int]):
+        """One row of a mixed batch: logits [T, V] -> (kept, tokens [T], logprob table or None)."""
+        T = lg.shape[0]
+        k, kept = T - 1, None
+        if r.sampler.procs:
+            lg = r.sampler.process(lg, self._contexts(r, drafts, T))
+        if k == 0:
+            tokens = mx.argmax(lg, axis=-1) if r.sampler.params.greedy else r.sampler.draw(lg)
+        elif r.sampler.params.greedy:
+            kept, tokens = accept_greedy(lg[None], drafts[None])
+            kept, tokens = kept[0], tokens[0]
+        else:
+            kept, tokens = accept_sampled(r.sampler.logprobs(lg), q, drafts, r.sampler.next_key(),
+                                          rule=self.acceptance_rule)
+        tokens = tokens.astype(mx.int32)
+        table = _logprob_table(lg[None], tokens[None], top_n)[0] if top_n is not None else None
+        return kept, tokens, table
 
     def _sample_single(self, row: Row, logits: mx.array) -> int:
         lg = logits
@@ -559,7 +617,7 @@ class BatchGenerator:
         else:
             tok = row.sampler.draw(lg)
         if row.req.logprobs is not None:
-            row.first_lp = _token_logprobs(lg, tok)[0].item()
+            row.first_lp = _logprob_table(lg, tok, row.req.logprobs)[0].tolist()
         return int(tok.item())
 
     # ---------------------------------------------------------------- output
@@ -596,14 +654,35 @@ class BatchGenerator:
         row.text = text
         lp_list = None
         if row.req.logprobs is not None:
-            vals = lps if lps is not None else [row.first_lp]
-            lp_list = [{"token": t, "logprob": float(v)} for t, v in zip(out, vals)]
+            tables = lps if lps is not None else [row.first_lp]
+            lp_list = [_logprob_entry(t, table, row.req.logprobs) for t, table in zip(out, tables)]
         events.append(Event(row.req.id, out, delta, reason, logprobs=lp_list,
                             stats=row.stats if reason else None))
         return len(out) if reason else 0
 
 
 _NO_LOGITS = mx.zeros((0,))
+
+
+def _left(row: Row) -> int:
+    """Prompt tokens not yet prefilled."""
+    return len(row.req.prompt) - row.done_prompt
+
+
+def _failed(request_id: int, failure: RowFailure, stats: Optional[RequestStats]) -> Event:
+    log.warning("request %d failed: %s", request_id, failure)
+    return Event(request_id, [], "", "error", error=f"generation failed: {failure}", stats=stats)
+
+
+def _pick_row(r: Row, logits: mx.array, so_far: mx.array):
+    """One draft of one row from the head's logits [1, V]: (token, q log-probs or None)."""
+    if r.sampler.procs:
+        ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32), so_far])
+        logits = r.sampler.process(logits, [ctx])
+    if r.sampler.params.greedy:
+        return mx.argmax(logits, axis=-1)[0], None
+    lp = r.sampler.logprobs(logits)
+    return sample(lp, r.sampler.next_key())[0], lp[0]
 
 
 def _acceptance_classes(rows: List[Row]) -> List[str]:
@@ -621,6 +700,26 @@ def _find_stop(text: str, stops: List[str]) -> Optional[int]:
     return best
 
 
-def _token_logprobs(logits: mx.array, tokens: mx.array) -> mx.array:
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]
+def _logprob_table(logits: mx.array, tokens: mx.array, top_n: int) -> mx.array:
+    """logits [..., V], chosen tokens [...] -> [..., 1 + 2 * top_n] float32: the chosen
+    token's log-probability, then the ids of the top_n most likely tokens (most likely
+    first; float32 holds ids below 2**24 exactly), then their log-probabilities.
+
+    One array, so a cycle's tables are selected, evaluated and read with its tokens."""
+    lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
+    chosen = mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)
+    if not top_n:
+        return chosen
+    top = mx.argpartition(-lp, top_n - 1, axis=-1)[..., :top_n]
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-top_lp, axis=-1)
+    top, top_lp = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(top_lp, order, axis=-1)
+    return mx.concatenate([chosen, top.astype(mx.float32), top_lp], axis=-1)
+
+
+def _logprob_entry(token: int, table: list, top_n: int) -> dict:
+    """One emitted token's row of a _logprob_table -> {"token", "logprob", "top": [(id, lp)]}."""
+    width = (len(table) - 1) // 2
+    ids, values = table[1 : 1 + width], table[1 + width :]
+    return {"token": token, "logprob": float(table[0]),
+            "top": [(int(i), float(v)) for i, v in zip(ids[:top_n], values[:top_n])]}

@@ -8,6 +8,8 @@ import time
 
 import click
 
+from .request import MAX_DRAFT_DEPTH
+
 
 @click.command()
 @click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model).")
@@ -19,7 +21,8 @@ import click
 @click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=None, type=int)
 @click.option("--enable-mtp/--disable-mtp", default=True, show_default=True)
-@click.option("--num-draft", default=None, type=click.IntRange(0, 8), help="Pin the draft depth (default: adaptive).")
+@click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
+              help="Pin the draft depth (default: adaptive).")
 @click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")

@@ -12,10 +12,17 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ..engine.request import Request
 from .chat import anthropic_messages, anthropic_tools, render
 from .errors import APIError
-from .generation import Generation, finish_error
+from .generation import Generation, finish_error, output_budget
 from .openai_api import SSE_HEADERS, _collect, _guarded
 from .reasoning import OutputSplitter
-from .validation import field, num_draft, parse_json_body, sampling_params, string_list
+from .validation import (
+    anthropic_tool_choice,
+    field,
+    num_draft,
+    parse_json_body,
+    sampling_params,
+    string_list,
+)
 
 
 def _event(name: str, data: dict) -> str:
@@ -54,28 +61,43 @@ def _thinking_flag(body: dict) -> Optional[bool]:
     raise APIError(400, "thinking.type: must be 'enabled', 'adaptive' or 'disabled'")
 
 
-async def messages(request: HTTPRequest):
-    state = request.app.state.server
-    body = parse_json_body(await request.body())
+def _check_model(state, body: dict) -> None:
     model = field(body, "model", str, required=True)
     if not state.knows_model(model):
         raise APIError(404, f"model: {model} (this server serves '{state.model_id}')")
-    max_tokens = field(body, "max_tokens", int, required=True, minimum=1)
+
+
+def _conversation(state, body: dict):
+    """-> (prompt ids, tools, whether output starts inside <think>)."""
+    _check_model(state, body)
     if "messages" not in body:
         raise APIError(400, "messages: field required")
     msgs = anthropic_messages(body.get("system"), body["messages"])
     tools = anthropic_tools(body.get("tools"))
-    choice = field(body, "tool_choice", dict)
-    if choice is not None and choice.get("type") == "none":
+    if anthropic_tool_choice(body, tools) == "none":
         tools = None
-    thinking = _thinking_flag(body)
+    ids, _, in_think = render(state.tok, msgs, tools, _thinking_flag(body))
+    return ids, tools, in_think
+
+
+def _prepare(state, raw: bytes):
+    """Body -> (Generation, stream?): validation and templating, run off the event loop."""
+    body = parse_json_body(raw)
+    max_tokens = field(body, "max_tokens", int, required=True, minimum=1)
+    ids, tools, in_think = _conversation(state, body)
     stop = string_list(body, "stop_sequences")
     stream = field(body, "stream", bool, default=False)
     params = sampling_params(body, state.vocab_size, anthropic=True)
-    ids, _, in_think = render(state.tok, msgs, tools, thinking)
-    req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, num_draft=num_draft(body))
+    req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), max_tokens, anthropic=True), params=params,
+                  stop=stop, num_draft=num_draft(body))
     gen = Generation(state, req, splitter=OutputSplitter(in_thinking=in_think, parse_tools=bool(tools), tools=tools),
                      body=body)
+    return gen, stream
+
+
+async def messages(request: HTTPRequest):
+    state = request.app.state.server
+    gen, stream = await state.off_loop(_prepare, state, await request.body())
     gen.start()
     mid = "msg_" + uuid.uuid4().hex[:24]
     if stream:
@@ -97,18 +119,14 @@ async def messages(request: HTTPRequest):
                          "stop_sequence": gen.stop_sequence(), "usage": _usage(gen)})
 
 
+def _count(state, raw: bytes) -> int:
+    return len(_conversation(state, parse_json_body(raw))[0])
+
+
 async def count_tokens(request: HTTPRequest):
     """POST /v1/messages/count_tokens (Claude Code calls it): the rendered prompt's length."""
     state = request.app.state.server
-    body = parse_json_body(await request.body())
-    model = field(body, "model", str, required=True)
-    if not state.knows_model(model):
-        raise APIError(404, f"model: {model} (this server serves '{state.model_id}')")
-    if "messages" not in body:
-        raise APIError(400, "messages: field required")
-    msgs = anthropic_messages(body.get("system"), body["messages"])
-    ids, _, _ = render(state.tok, msgs, anthropic_tools(body.get("tools")), _thinking_flag(body))
-    return JSONResponse({"input_tokens": len(ids)})
+    return JSONResponse({"input_tokens": await state.off_loop(_count, state, await request.body())})
 
 
 def _merge_blocks(blocks: List[dict]) -> List[dict]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -41,6 +43,13 @@ class ServerState:
     aliases: set = field(default_factory=set)
     request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
     created: int = field(default_factory=lambda: int(time.time()))
+    # Parsing, validating, templating and tokenising run here, off the event loop (a 2 MB
+    # prompt takes seconds): one thread, as a fast tokenizer must not be used from two at once.
+    prep_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxmtp-prep"))
+
+    async def off_loop(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
 
     def knows_model(self, name: str) -> bool:
         # Agents often send a name of their own; "*" in --alias accepts any.

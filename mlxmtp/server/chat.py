@@ -231,16 +231,17 @@ def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
     return ids, text, starts_in_thinking(text)
 
 
-def encode_prompt(tok, prompt: Any) -> Tuple[List[int], str]:
-    """/v1/completions prompt: a string, a one-string array, or token ids."""
+def encode_prompt(tok, prompt: Any) -> List[int]:
+    """/v1/completions prompt: a string, a one-string array, or token ids (not checked
+    against the vocabulary here: validation.token_ids does that)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "'prompt' must not be empty", param="prompt")
-        return tok.encode(prompt, add_special_tokens=False), prompt
+        return tok.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt), tok.decode(prompt)
+        return list(prompt)
     if isinstance(prompt, list) and not prompt:
         raise APIError(400, "'prompt' must not be empty", param="prompt")
     raise APIError(400, "'prompt' must be a string, an array with one string, or an array of token ids",

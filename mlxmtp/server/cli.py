@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import click
+
+from ..engine.request import MAX_DRAFT_DEPTH
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -16,23 +19,33 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--enable-mtp/--disable-mtp", default=None,
               help="Require the MTP head (error if missing, unless --mtp-fallback) / never use it. "
                    "Default: use the head when the model has one.")
-@click.option("--num-draft", default=None, type=click.IntRange(0, 8), help="Pin the draft depth (default: adaptive).")
+@click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
+              help="Pin the draft depth (default: adaptive).")
 @click.option("--mtp-fallback", is_flag=True, help="With --enable-mtp: serve without MTP if the model has no head.")
 @click.option("--max-concurrent", default=8, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together; more wait in the queue.")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
-              help="Reject longer prompts with 413.")
+              help="Reject longer prompts with 400.")
+@click.option("--context-length", default=None, type=click.IntRange(min=1),
+              help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
+@click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Largest request body in MiB; bigger ones get 413.")
 @click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
-              help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health.")
+              help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health "
+                   "(also MLXMTP_API_KEY; an empty key is refused).")
 @click.option("--alias", "aliases", multiple=True,
               help="Extra model name clients may send (repeatable; '*' accepts any name, e.g. for Claude Code).")
+@click.option("--shutdown-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM / Ctrl+C, seconds open streams may run before they are ended with an error "
+                   "event; a second signal exits at once.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
-def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens,
-          prefix_cache_mb, api_key, aliases, log_level):
+def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
+          max_body_mb, prefix_cache_mb, api_key, aliases, shutdown_timeout, log_level):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
+    _check_api_key(api_key)  # before the (slow) model load
     from ..models.load import MTPLoadError, load
 
     logging.getLogger("mlxmtp").setLevel(log_level.upper())
@@ -58,8 +71,22 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
-                     aliases=aliases)
-    import uvicorn
+                     aliases=aliases, context_length=context_length, max_body_mb=max_body_mb)
+    from .shutdown import run_server
 
     log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    run_server(app, host=host, port=port, log_level=log_level.lower(), shutdown_timeout=shutdown_timeout)
+
+
+def _check_api_key(api_key):
+    """An empty key must not silently mean "no authentication": create_app treats a falsy
+    key as off, and click treats an empty environment variable as unset."""
+    env = os.environ.get("MLXMTP_API_KEY")
+    if api_key is not None and not api_key.strip():
+        src = click.get_current_context().get_parameter_source("api_key")
+        where = "MLXMTP_API_KEY" if src == click.core.ParameterSource.ENVIRONMENT else "--api-key"
+        raise click.BadParameter("the API key is empty; give a real key, or leave the option out to serve "
+                                 "without authentication", param_hint=where)
+    if api_key is None and env is not None:  # set but empty: click passed None
+        raise click.BadParameter("the API key is empty; give a real key, or unset the variable to serve "
+                                 "without authentication", param_hint="MLXMTP_API_KEY")

@@ -10,7 +10,26 @@ from ..engine.request import Event, Request
 from .errors import APIError
 from .reasoning import OutputSplitter, Piece
 
-DEFAULT_MAX_TOKENS = 4096
+
+def context_error(state, n_prompt: int, anthropic: bool) -> APIError:
+    """The prompt leaves no room for output: each API's own wording, which clients parse
+    (Claude Code reads Anthropic's "prompt is too long: N tokens > M maximum")."""
+    limit = min(state.context_length - 1, state.max_prompt_tokens or state.context_length)
+    if anthropic:
+        return APIError(400, f"prompt is too long: {n_prompt} tokens > {limit} maximum")
+    return APIError(400, f"This model's maximum context length is {state.context_length} tokens. However, your "
+                         f"messages resulted in {n_prompt} tokens, more than the {limit} a prompt may have. "
+                         "Please reduce the length of the messages.", param="messages",
+                    code="context_length_exceeded")
+
+
+def output_budget(state, n_prompt: int, requested, anthropic: bool = False) -> int:
+    """max_tokens for a prompt of n_prompt tokens: the request's, capped at the room left in
+    the context (and the room left is the default); a prompt that leaves none is a 400."""
+    room = state.context_length - n_prompt
+    if room < 1 or (state.max_prompt_tokens and n_prompt > state.max_prompt_tokens):
+        raise context_error(state, n_prompt, anthropic)
+    return room if requested is None else min(requested, room)
 
 
 class Generation:
@@ -32,11 +51,8 @@ class Generation:
         self.pieces: List[Piece] = []
 
     def start(self) -> None:
-        """Validate and submit; errors here are the client's (400/413)."""
+        """Submit to the engine; errors here are the client's (400)."""
         st = self.state
-        if st.max_prompt_tokens and len(self.req.prompt) > st.max_prompt_tokens:
-            raise APIError(413, f"the prompt has {len(self.req.prompt)} tokens, more than this server's limit "
-                                f"of {st.max_prompt_tokens} (--max-prompt-tokens)", code="context_length_exceeded")
         if st.request_hook is not None:
             st.request_hook(self.req, self.body)
         try:

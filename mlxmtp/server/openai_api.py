@@ -10,12 +10,20 @@ from typing import AsyncIterator, List, Optional
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ..engine.request import Request
+from ..engine.request import MAX_TOP_LOGPROBS, Request
 from .chat import encode_prompt, openai_messages, openai_tools, render
 from .errors import APIError
-from .generation import DEFAULT_MAX_TOKENS, Generation, finish_error
+from .generation import Generation, finish_error, output_budget
 from .reasoning import OutputSplitter
-from .validation import field, num_draft, parse_json_body, sampling_params, string_list
+from .validation import (
+    field,
+    num_draft,
+    openai_tool_choice,
+    parse_json_body,
+    sampling_params,
+    string_list,
+    token_ids,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -32,17 +40,15 @@ def check_model(state, body: dict) -> str:
     return state.model_id
 
 
-def _max_tokens(body: dict) -> int:
+def _max_tokens(body: dict) -> Optional[int]:
     value = field(body, "max_completion_tokens", int, minimum=1)
-    if value is None:
-        value = field(body, "max_tokens", int, minimum=1)
-    return value if value is not None else DEFAULT_MAX_TOKENS
+    return value if value is not None else field(body, "max_tokens", int, minimum=1)
 
 
 def _stream_flags(body: dict):
     stream = field(body, "stream", bool, default=False)
     opts = field(body, "stream_options", dict, default={})
-    include_usage = bool(field(opts, "include_usage", bool, default=False))
+    include_usage = bool(field(opts, "include_usage", bool, default=False, label="stream_options.include_usage"))
     return stream, include_usage
 
 
@@ -60,11 +66,12 @@ def _finish(gen: Generation) -> str:
 
 
 def _chat_logprobs(tok, lps: List[dict]) -> dict:
-    out = []
-    for e in lps:
-        s = tok.decode([e["token"]])
-        out.append({"token": s, "logprob": e["logprob"], "bytes": list(s.encode("utf-8")), "top_logprobs": []})
-    return {"content": out}
+    def entry(token: int, logprob: float) -> dict:
+        s = tok.decode([token])
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [dict(entry(e["token"], e["logprob"]), top_logprobs=[entry(t, lp) for t, lp in e["top"]])
+                        for e in lps]}
 
 
 def _tool_call_obj(call: dict) -> dict:
@@ -124,44 +131,46 @@ async def get_model(request: HTTPRequest):
     return JSONResponse(_model_card(state))
 
 
-async def chat_completions(request: HTTPRequest):
-    state = request.app.state.server
-    body = parse_json_body(await request.body())
+def _prepare_chat(state, raw: bytes):
+    """Body -> (Generation, options): validation and templating, run off the event loop."""
+    body = parse_json_body(raw)
     model = check_model(state, body)
     if "messages" not in body:
         raise APIError(400, "'messages' is a required field", param="messages")
     messages = openai_messages(body["messages"])
     tools = openai_tools(body.get("tools"))
-    tool_choice = body.get("tool_choice")
-    if tool_choice == "none":
+    if openai_tool_choice(body, tools) == "none":
         tools = None
     if field(body, "n", int, default=1, minimum=1) != 1:
         raise APIError(400, "only n=1 is supported", param="n")
     kwargs = dict(field(body, "chat_template_kwargs", dict, default={}))
     thinking = field(body, "enable_thinking", bool)
     if thinking is None and "enable_thinking" in kwargs:
-        thinking = kwargs.pop("enable_thinking")
-        if not isinstance(thinking, bool):
-            raise APIError(400, "'chat_template_kwargs.enable_thinking' must be a boolean",
-                           param="chat_template_kwargs")
+        thinking = field(kwargs, "enable_thinking", bool, label="chat_template_kwargs.enable_thinking")
     kwargs.pop("enable_thinking", None)
-    max_tokens = _max_tokens(body)
-    stop = string_list(body, "stop")
     want_lp = field(body, "logprobs", bool, default=False)
-    field(body, "top_logprobs", int, minimum=0, maximum=20)
+    top_n = field(body, "top_logprobs", int, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top_n and not want_lp:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size)
-    draft = num_draft(body)
     ids, _, in_think = render(state.tok, messages, tools, thinking, kwargs)
-    req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop,
-                  logprobs=0 if want_lp else None, num_draft=draft)
+    req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), _max_tokens(body)), params=params,
+                  stop=string_list(body, "stop"), logprobs=(top_n or 0) if want_lp else None, num_draft=num_draft(body))
     gen = Generation(state, req, splitter=OutputSplitter(in_thinking=in_think, parse_tools=bool(tools), tools=tools),
                      body=body)
+    return gen, dict(model=model, stream=stream, include_usage=include_usage, want_lp=want_lp)
+
+
+async def chat_completions(request: HTTPRequest):
+    state = request.app.state.server
+    gen, opt = await state.off_loop(_prepare_chat, state, await request.body())
     gen.start()
     cid = "chatcmpl-" + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    if stream:
-        return StreamingResponse(_guarded(gen, _chat_stream(state, gen, cid, created, model, want_lp, include_usage)),
+    created, model, want_lp = int(time.time()), opt["model"], opt["want_lp"]
+    if opt["stream"]:
+        return StreamingResponse(_guarded(gen, _chat_stream(state, gen, cid, created, model, want_lp,
+                                                            opt["include_usage"])),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     await _collect(gen, request)
     if gen.error:
@@ -220,30 +229,35 @@ async def _chat_stream(state, gen: Generation, cid: str, created: int, model: st
     yield _sse("[DONE]")
 
 
-async def completions(request: HTTPRequest):
-    state = request.app.state.server
-    body = parse_json_body(await request.body())
+def _prepare_completion(state, raw: bytes):
+    body = parse_json_body(raw)
     model = check_model(state, body)
     if "prompt" not in body:
         raise APIError(400, "'prompt' is a required field", param="prompt")
-    ids, _ = encode_prompt(state.tok, body["prompt"])
+    ids = token_ids(encode_prompt(state.tok, body["prompt"]), state.vocab_size, "prompt")
     if field(body, "n", int, default=1, minimum=1) != 1:
         raise APIError(400, "only n=1 is supported", param="n")
     if field(body, "echo", bool, default=False):
         raise APIError(400, "echo is not supported", param="echo")
-    max_tokens = field(body, "max_tokens", int, minimum=1, default=16)
-    stop = string_list(body, "stop")
     lp_n = field(body, "logprobs", int, minimum=0, maximum=5)
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size)
-    req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=stop,
-                  logprobs=0 if lp_n is not None else None, num_draft=num_draft(body))
-    gen = Generation(state, req, splitter=None, body=body)
+    max_tokens = output_budget(state, len(ids), field(body, "max_tokens", int, minimum=1, default=16))
+    req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=string_list(body, "stop"),
+                  logprobs=lp_n, num_draft=num_draft(body))
+    return Generation(state, req, splitter=None, body=body), dict(model=model, stream=stream,
+                                                                  include_usage=include_usage, lp_n=lp_n)
+
+
+async def completions(request: HTTPRequest):
+    state = request.app.state.server
+    gen, opt = await state.off_loop(_prepare_completion, state, await request.body())
     gen.start()
     cid = "cmpl-" + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    if stream:
-        return StreamingResponse(_guarded(gen, _completion_stream(state, gen, cid, created, model, lp_n, include_usage)),
+    created, model, lp_n = int(time.time()), opt["model"], opt["lp_n"]
+    if opt["stream"]:
+        return StreamingResponse(_guarded(gen, _completion_stream(state, gen, cid, created, model, lp_n,
+                                                                  opt["include_usage"])),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     await _collect(gen, request)
     if gen.error:
@@ -262,7 +276,8 @@ def _completion_logprobs(tok, lps: List[dict], offset: int = 0) -> dict:
         values.append(e["logprob"])
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+    tops = [{tok.decode([t]): lp for t, lp in e["top"]} for e in lps]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 async def _completion_stream(state, gen: Generation, cid: str, created: int, model: str, lp_n, include_usage: bool):
