@@ -3,15 +3,19 @@
 import logging
 from unittest import mock
 
+import pytest
 from click.testing import CliRunner
 
 from mlxmtp.cli import main
+from mlxmtp.engine.limits import MAX_DRAFT_DEPTH
 from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+RUN = "mlxmtp.server.shutdown.run_server"  # serving itself; mocked so nothing blocks
 
 
 def test_enable_mtp_without_head_is_a_clear_error(tmp_path):
     path = write_hf_checkpoint(tmp_path / "nohead", "qwen3_5", with_mtp=False)
-    with mock.patch("uvicorn.run") as run:
+    with mock.patch(RUN) as run:
         res = CliRunner().invoke(main, ["serve", "--model", str(path), "--enable-mtp"])
     assert res.exit_code != 0
     assert "mlxmtp add-mtp-weights" in res.output
@@ -23,7 +27,7 @@ def test_fallback_and_default_serve_without_head(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mlxmtp")
     path = write_hf_checkpoint(tmp_path / "nohead", "qwen3_5", with_mtp=False)
     for extra in (["--enable-mtp", "--mtp-fallback"], []):
-        with mock.patch("uvicorn.run") as run:
+        with mock.patch(RUN) as run:
             res = CliRunner().invoke(main, ["serve", "--model", str(path), "--port", "0", *extra])
         assert res.exit_code == 0, res.output
         app = run.call_args.args[0]
@@ -37,13 +41,56 @@ def test_fallback_and_default_serve_without_head(tmp_path, caplog):
 
 def test_serve_options_reach_the_app(tmp_path):
     path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
-    with mock.patch("uvicorn.run") as run:
+    with mock.patch(RUN) as run:
         res = CliRunner().invoke(main, ["serve", "--model", str(path), "--port", "9999", "--api-key", "k",
-                                        "--max-prompt-tokens", "100", "--num-draft", "2", "--log-level", "warning"])
+                                        "--max-prompt-tokens", "100", "--num-draft", "2", "--log-level", "warning",
+                                        "--context-length", "777", "--max-body-mb", "0.5",
+                                        "--shutdown-timeout", "3.5"])
     assert res.exit_code == 0, res.output
     app = run.call_args.args[0]
     assert run.call_args.kwargs["port"] == 9999
-    assert app.api_key == "k"
+    assert run.call_args.kwargs["shutdown_timeout"] == 3.5
+    assert app.api_key == "k" and app.max_body == 2**19
     state = app.state.server
     assert state.mtp_active and state.max_prompt_tokens == 100 and state.model_id == str(path)
+    assert state.context_length == 777
     assert state.knows_model("m")  # a local path also answers to its folder name
+
+
+def test_serve_defaults(tmp_path):
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    with mock.patch(RUN) as run:
+        res = CliRunner().invoke(main, ["serve", "--model", str(path)], env={"MLXMTP_API_KEY": None})
+    assert res.exit_code == 0, res.output
+    app = run.call_args.args[0]
+    assert run.call_args.kwargs["shutdown_timeout"] == 10.0 and run.call_args.kwargs["host"] == "127.0.0.1"
+    assert app.api_key is None and app.max_body == 8 * 2**20
+    assert app.state.server.context_length == 4096  # the fixture's max_position_embeddings
+
+
+@pytest.mark.parametrize("args,env,where", [
+    (["--api-key", ""], {}, "--api-key"),
+    (["--api-key", "   "], {}, "--api-key"),
+    ([], {"MLXMTP_API_KEY": ""}, "MLXMTP_API_KEY"),
+    ([], {"MLXMTP_API_KEY": " \t"}, "MLXMTP_API_KEY"),
+])
+def test_empty_api_key_is_refused_before_loading(args, env, where):
+    # An empty key used to turn authentication off silently.
+    with mock.patch("mlxmtp.models.load.load") as load, mock.patch(RUN) as run:
+        res = CliRunner().invoke(main, ["serve", *args], env=env)
+    assert res.exit_code == 2, res.output
+    assert "API key is empty" in res.output and where in res.output
+    load.assert_not_called()
+    run.assert_not_called()
+
+
+def test_num_draft_bound_and_help():
+    res = CliRunner().invoke(main, ["serve", "--num-draft", str(MAX_DRAFT_DEPTH + 1)])
+    assert res.exit_code == 2 and "--num-draft" in res.output
+    res = CliRunner().invoke(main, ["generate", "-p", "x", "--num-draft", str(MAX_DRAFT_DEPTH + 1)])
+    assert res.exit_code == 2 and "--num-draft" in res.output
+    res = CliRunner().invoke(main, ["serve", "--help"])
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert "--shutdown-timeout" in text and "--context-length" in text and "--max-body-mb" in text
+    assert "longer prompts with 400" in text

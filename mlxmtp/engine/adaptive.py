@@ -42,6 +42,7 @@ from collections import Counter, deque
 from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .cycle_costs import CycleCosts
+from .limits import MAX_DRAFT_DEPTH
 
 
 def _bucket(batch_size: int) -> int:
@@ -52,7 +53,7 @@ def _bucket(batch_size: int) -> int:
 
 
 class DepthPolicy:
-    def __init__(self, max_depth: int = 4, fixed: Optional[int] = None, explore: float = 0.01,
+    def __init__(self, max_depth: int = MAX_DRAFT_DEPTH, fixed: Optional[int] = None, explore: float = 0.01,
                  min_probe_every: int = 20, max_probe_every: int = 2000, window: int = 15, margin: float = 0.05,
                  hysteresis: float = 0.02, min_samples: int = 3, burst: int = 3,
                  prior_accept: float = 0.5, prior_weight: float = 2.0, depth_weight: float = 10.0, decay: float = 0.998):

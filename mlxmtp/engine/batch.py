@@ -29,6 +29,7 @@ from ..models import gdn_capture
 from . import mlx_lm_adapter as adapter
 from .adaptive import DepthPolicy
 from .failures import CycleSnapshot, RowFailure, blame
+from .limits import MAX_DRAFT_DEPTH
 from .prefix_cache import PrefixCache
 from .proposer import Segment, draft, drop_pending, head_pass, pending_array, pending_count
 from .rejection_sampler import accept_greedy, accept_sampled, sample
@@ -95,7 +96,7 @@ class _Cycle:
 
 class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
-                 max_depth: int = 4, max_batch: int = 16, prefill_step: int = 512,
+                 max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = 512,
                  prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
@@ -151,7 +152,7 @@ class BatchGenerator:
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
-        req.validate(self.vocab_size)
+        req.validate(self.vocab_size, self.policy.max_depth)
         with self._lock:
             self._inbox.append(req)
         return req.id

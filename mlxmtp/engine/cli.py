@@ -8,7 +8,7 @@ import time
 
 import click
 
-from .request import MAX_DRAFT_DEPTH
+from .limits import MAX_DRAFT_DEPTH
 
 
 @click.command()

@@ -6,14 +6,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .limits import MAX_DRAFT_DEPTH, MAX_TOP_LOGPROBS
 from .sampling import SamplingParams
 
 _ids = itertools.count(1)
-
-# The deepest draft the engine runs: the HTTP layer, both CLIs and the depth policy take
-# their bounds from this one constant.
-MAX_DRAFT_DEPTH = 4
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass

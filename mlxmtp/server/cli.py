@@ -7,7 +7,7 @@ import os
 
 import click
 
-from ..engine.request import MAX_DRAFT_DEPTH
+from ..engine.limits import MAX_DRAFT_DEPTH
 
 log = logging.getLogger("mlxmtp.server")
 

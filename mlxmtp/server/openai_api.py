@@ -10,7 +10,8 @@ from typing import AsyncIterator, List, Optional
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ..engine.request import MAX_TOP_LOGPROBS, Request
+from ..engine.limits import MAX_TOP_LOGPROBS
+from ..engine.request import Request
 from .chat import encode_prompt, openai_messages, openai_tools, render
 from .errors import APIError
 from .generation import Generation, finish_error, output_budget

@@ -18,7 +18,7 @@ import json
 import math
 from typing import Any, List, Optional
 
-from ..engine.request import MAX_DRAFT_DEPTH
+from ..engine.limits import MAX_DRAFT_DEPTH
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 

@@ -1,0 +1,7 @@
+"""Bounds every layer shares (HTTP validation, both CLIs, the engine and its depth policy).
+
+A module without imports, so the CLIs can read them without loading MLX.
+"""
+
+MAX_DRAFT_DEPTH = 4  # the deepest draft the engine runs
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs

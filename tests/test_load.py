@@ -1,0 +1,58 @@
+"""bench/load.py with small settings: concurrent streams over both APIs with poison
+requests among them, against a real `mlxmtp serve` subprocess on a float32 fixture model.
+
+The contract ("one request never hurts another"): every good stream completes and equals
+the same request run alone at temperature 0; every poison request gets a 400 in its
+API's error shape; none is lost; RSS after the load is within 10% of its level after a
+warm-up round of the same requests.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def load():
+    spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_load"] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_poison_bodies_are_what_they_claim(load):
+    specs = load.build_specs("m", 30, poison=7, seed=1)
+    bad = [s for s in specs if s.poison]
+    assert len(specs) == 30 and len(bad) == 7
+    assert len({s.poison for s in bad}) == 7  # every kind once
+    raw = {s.poison: s.payload() for s in bad}
+    assert b'"temperature": NaN' in raw["temperature NaN"]
+    assert b'abc \\ud800 def' in raw["lone surrogate in content"]  # escaped in JSON text, invalid once decoded
+    good = [s for s in specs if not s.poison]
+    assert {s.path for s in good} == {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
+    assert all(s.body["temperature"] == 0 and 8 <= s.body["max_tokens"] <= 64 for s in good)
+    assert load.build_specs("m", 64)[5].payload() == load.build_specs("m", 64)[5].payload()  # deterministic
+    assert sum(1 for s in load.build_specs("m", 64) if s.poison) == 6  # ~10% by default
+
+
+@pytest.mark.slow
+def test_load_one_request_never_hurts_another(load, tmp_path):
+    model = write_hf_checkpoint(tmp_path / "model", "qwen3_5")  # float32: batched == solo bit for bit
+    # 24 requests, every poison kind once: well under 2 minutes on 2 CPU cores.
+    report = load.run(str(model), requests=24, poison=7)
+    print(load.summary(report))
+    failures = report["failures"]
+    assert not [f for f in failures if "lost" in f or "died" in f], failures
+    poison = [f for f in failures if "poison" in f]
+    assert report["poison_rejected"] == report["poison"] == 7, poison
+    assert report["ok"] == report["good"] == 17, [f for f in failures if "poison" not in f]
+    growth = (report["rss_after_kb"] - report["rss_warm_kb"]) / report["rss_warm_kb"]
+    assert abs(growth) <= load.RSS_TOLERANCE, report
+    assert not failures
