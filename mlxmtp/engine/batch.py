@@ -123,6 +123,7 @@ class BatchGenerator:
             self.policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)
             if policies is not None:
                 policies[key] = self.policy
+        self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
         self.max_batch = max_batch
         self.prefill_step = prefill_step
         self.acceptance_rule = acceptance_rule
@@ -152,7 +153,7 @@ class BatchGenerator:
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
-        req.validate(self.vocab_size, self.policy.max_depth)
+        req.validate(self.vocab_size, self.max_depth)
         with self._lock:
             self._inbox.append(req)
         return req.id
@@ -317,6 +318,12 @@ class BatchGenerator:
     def _join_batch(self, row: Row) -> None:
         if self.cache is None:
             self.cache, self.head_cache = row.cache, row.head_cache
+            # Verify forwards (and every head forward) in the shape-stable mode: a new
+            # position or prompt length never makes a new shape; plain decoding (one token)
+            # keeps mlx-lm's own attention call.
+            adapter.fix_shapes(self.cache, 2)
+            if self.head_cache is not None:
+                adapter.fix_shapes(self.head_cache, 1)
         else:
             adapter.extend_cache(self.cache, row.cache)
             if self.head_cache is not None:

@@ -71,20 +71,27 @@ def attention_caches(cache: list) -> List[RaggedKVCache]:
     return [c for c in cache if isinstance(c, RaggedKVCache)]
 
 
+def fix_shapes(cache: list, from_tokens: int) -> None:
+    """Forwards of `from_tokens` or more tokens see whole, masked attention buffers
+    (RaggedKVCache's shape-stable mode): their shapes never depend on positions."""
+    for c in attention_caches(cache):
+        c.fixed_shape_from = from_tokens
+
+
 def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> None:
     """Roll every layer back to the state after `kept[b]` of the `verified` tokens of row b.
 
     Attention: trim each row's end. Gated DeltaNet: the conv state is a slice of the
-    recorded conv window and the recurrent state the recorded one after that position,
-    so no second forward is needed.
+    recorded conv window; the recurrent state is replayed from the state before the
+    verify over the kept positions (gdn_capture.LayerRecord.state_after), so no second
+    forward of the model is needed.
     """
     trims = [verified - n for n in kept]
-    if any(trims):
-        for c in attention_caches(cache):
-            c.trim_rows(trims)
-    gdn = gdn_layers(cache)
     if not any(trims):
         return  # the forward already left every layer at its final state
+    for c in attention_caches(cache):
+        c.trim_rows(trims)
+    gdn = gdn_layers(cache)
     assert len(gdn) == len(records), "recorded Gated DeltaNet layers do not match the cache"
     B = len(kept)
     for c, rec in zip(gdn, records):
@@ -92,13 +99,10 @@ def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> No
         if B == 1:
             n = kept[0]
             c[0] = rec.conv_input[:, n : n + n_keep]
-            c[1] = rec.states[n - 1]
         else:
-            ends = mx.array(kept)
-            pos = (ends[:, None] + mx.arange(n_keep))[..., None]
+            pos = (mx.array(kept)[:, None] + mx.arange(n_keep))[..., None]
             c[0] = mx.take_along_axis(rec.conv_input, pos, axis=1)
-            states = mx.stack(rec.states)  # [T, B, Hv, Dv, Dk]
-            c[1] = states[ends - 1, mx.arange(B)]
+        c[1] = rec.state_after(kept)
 
 
 def filter_cache(cache: list, rows: List[int]) -> None:

@@ -8,6 +8,14 @@ is O(1), and rows write at their own ends with one scatter.
 With one row, or rows of equal length, it behaves exactly like mlx-lm's `KVCache`
 (same slicing, same "causal"/None masks, same integer RoPE offset), so B=1 decoding
 is numerically the same as stock mlx-lm.
+
+Shape-stable mode (`fixed_shape_from = T`): a forward of T or more query tokens gets the
+whole buffer (its capacity, a multiple of `step`) and an explicit mask over it, so the
+arrays of a verify depend on (batch size, tokens, capacity) and never on the rows'
+lengths. A GPU backend that plans or compiles a kernel per shape (masked multi-token
+attention) then pays once per capacity bucket, not once per position. The engine sets
+it on its decode caches for verify forwards (T >= 2) and for the head (all T); plain
+decoding (T = 1) keeps mlx-lm's exact slices.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ class RaggedKVCache:
         self.keys: Optional[mx.array] = None  # [B, H, capacity, D]
         self.values: Optional[mx.array] = None
         self.lengths: List[int] = [0] * batch_size
+        self.fixed_shape_from: Optional[int] = None  # see the module docstring
 
     # --- what mlx-lm's attention layers use -------------------------------------------
     @property
@@ -65,10 +74,25 @@ class RaggedKVCache:
             Dv = values.shape[3]
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, (B, H, T, Dv)), values, axis=2)
         self.lengths = [n + T for n in self.lengths]
+        if self._fixed_shape(T):
+            return self.keys, self.values
         end = max(self.lengths)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    def _fixed_shape(self, N: int) -> bool:
+        return self.fixed_shape_from is not None and N >= self.fixed_shape_from
+
+    def _capacity_for(self, N: int) -> int:
+        """The buffer's capacity once N more tokens are written (what _grow makes it)."""
+        cap = 0 if self.keys is None else self.keys.shape[2]
+        needed = max(self.lengths) + N
+        return cap if needed <= cap else ((needed + self.step - 1) // self.step) * self.step
+
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if self._fixed_shape(N):
+            # Row b's query t sees keys [0, len_b + t] of the whole buffer.
+            limit = mx.array(self.lengths)[:, None, None, None] + mx.arange(N)[None, None, :, None]
+            return mx.arange(self._capacity_for(N))[None, None, None, :] <= limit
         if self.uniform:
             # Exactly what mlx-lm's KVCache.make_mask returns.
             return _kv_mask(N, self.lengths[0], return_array, window_size)
@@ -134,6 +158,7 @@ class RaggedKVCache:
         arrays in place, so the copy must hold new array objects (slices), never the same ones."""
         c = RaggedKVCache(len(self.lengths))
         c.lengths = list(self.lengths)
+        c.fixed_shape_from = self.fixed_shape_from
         if self.keys is not None:
             n = max(self.lengths)
             c.keys, c.values = self.keys[:, :, :n], self.values[:, :, :n]

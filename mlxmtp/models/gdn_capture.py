@@ -1,25 +1,26 @@
-"""Patch: record Gated DeltaNet state after every position of a forward.
+"""Patch: keep what a verify needs to roll each Gated DeltaNet layer back to any position.
 
-Verification feeds k+1 tokens; when only m+1 of them are accepted, the layer's
-state must be the one after position m. Re-running the model would cost a second
-forward, so while `record()` is active each Gated DeltaNet layer reports
+Verification feeds k+1 tokens; when only m+1 of them are accepted, the layer's state
+must be the one after position m. Re-running the model would cost a second forward, so
+while `record()` is active each Gated DeltaNet layer keeps
 - its conv input (`conv_state ++ new inputs`), from which the conv state after any
   position is a slice, and
-- its recurrent state after each position.
+- the recurrent state from before the verify and the recurrence's per-position inputs
+  (q, k, v, a, b as the layer passed them), from which `LayerRecord.state_after` replays
+  the recurrence alone (not the layer's projections) over the accepted positions.
 
-mlx-lm's off-Metal path already computes these (a loop of one-step updates) and
-keeps only the last; we run the same loop with the same step function, so the
-outputs are bit-identical, and keep references to every step (free: arrays are
-immutable, a reference is never a copy). On Metal mlx-lm's fused kernel writes
-only the final state, so while recording we take the same per-step path there too.
-Outside `record()` nothing changes.
+The verify itself goes through mlx-lm's own `gated_delta_update` dispatch, so it takes
+mlx-lm's fused kernel wherever mlx-lm has one (Metal) and its ops path elsewhere; the
+replay goes through the same dispatch with a mask that stops each row at its accepted
+length (a masked step keeps the state as it was), so it computes exactly the states
+a plain decoder would have. Outside `record()` nothing changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,7 +30,22 @@ from mlx_lm.models import gated_delta, qwen3_5, qwen3_next
 @dataclass
 class LayerRecord:
     conv_input: Optional[mx.array] = None  # [B, kernel-1+T, conv_dim]
-    states: List[mx.array] = field(default_factory=list)  # T x [B, Hv, Dv, Dk]
+    inputs: tuple = ()  # (q, k, v, a, b, A_log, dt_bias) as passed to gated_delta_update
+    state_before: Optional[mx.array] = None  # [B, Hv, Dv, Dk]
+    mask: Optional[mx.array] = None  # the verify's own [B, T] mask, if it had one
+    options: dict = field(default_factory=dict)  # use_kernel, lower_bound, allow_neg_eigval
+    final_state: Optional[mx.array] = None  # the verify's state after all T positions
+
+    def state_after(self, kept: Sequence[int]) -> mx.array:
+        """The recurrent state after kept[b] of the T verified positions of row b."""
+        T = self.inputs[0].shape[1]
+        if all(n == T for n in kept):
+            return self.final_state
+        keep = mx.arange(T)[None, :] < mx.array(kept)[:, None]  # [B, T]; shape fixed by T
+        if self.mask is not None:
+            keep = keep & self.mask
+        _, state = gated_delta.gated_delta_update(*self.inputs, self.state_before, keep, **self.options)
+        return state
 
 
 class Recorder:
@@ -39,12 +55,11 @@ class Recorder:
 
 
 _ACTIVE: Optional[Recorder] = None
-_original_update = gated_delta.gated_delta_update
 
 
 @contextlib.contextmanager
 def record():
-    """Record every Gated DeltaNet layer's per-position state, in layer order."""
+    """Record every Gated DeltaNet layer's rollback inputs, in layer order."""
     global _ACTIVE
     prev, _ACTIVE = _ACTIVE, Recorder()
     try:
@@ -55,35 +70,19 @@ def record():
 
 def _recording_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                       use_kernel=True, lower_bound=None, allow_neg_eigval=False):
+    options = dict(use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
     rec = _ACTIVE
-    if rec is None:
-        return _original_update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
-                                lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
-    # Same preamble and step as mlx_lm.models.gated_delta.gated_delta_update / gated_delta_ops.
-    beta = mx.sigmoid(b)
-    if allow_neg_eigval:
-        beta = beta * 2.0
-    if lower_bound is None:
-        g = gated_delta.compute_g(A_log, a, dt_bias)
-    else:
-        g = gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    if state is None:
+    if rec is not None and state is None:  # the dispatch starts from zeros; so must a replay
+        B, _, _, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if (repeat := Hv // Hk) > 1:
-        q = mx.repeat(q, repeat, -2)
-        k = mx.repeat(k, repeat, -2)
-    ys, states = [], []
-    for t in range(T):
-        y, state = gated_delta._gated_delta_step_ops(
-            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None if mask is None else mask[:, t]
-        )
-        ys.append(y)
-        states.append(state)
-    rec.layers.append(LayerRecord(conv_input=rec._conv_pending, states=states))
-    rec._conv_pending = None
-    return mx.stack(ys, axis=1), state
+    # Looked up at call time: mlx-lm's dispatch (tests may watch it).
+    y, final = gated_delta.gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, **options)
+    if rec is not None:
+        rec.layers.append(LayerRecord(conv_input=rec._conv_pending, inputs=(q, k, v, a, b, A_log, dt_bias),
+                                      state_before=state, mask=mask, options=options, final_state=final))
+        rec._conv_pending = None
+    return y, final
 
 
 class RecordingConv1d(nn.Conv1d):

@@ -1,0 +1,115 @@
+"""The decode cycle is shape-stable: after warm-up, a prompt length never seen before
+brings no new array shape into the draft / verify / accept / rollback path (a GPU
+backend that plans or compiles kernels per shape then compiles nothing new), and the
+verify reaches mlx-lm's own Gated DeltaNet dispatch."""
+
+import inspect
+
+import mlx.core as mx
+import pytest
+from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
+from mlx_lm.models import gated_delta
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.request import Request
+from mlxmtp.models import gdn_capture
+
+
+def _shape(x):
+    return tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
+
+
+class ShapeRecorder:
+    """Records the shapes of every attention and Gated DeltaNet call, and of the cycle's
+    own arrays, while the engine is inside a drafting cycle (not during prefill, and not
+    in plain decoding, which keeps mlx-lm's own one-token attention call)."""
+
+    def __init__(self, monkeypatch, eng):
+        self.shapes, self.active = set(), False
+        sdpa, gdn = mx.fast.scaled_dot_product_attention, gated_delta.gated_delta_update
+
+        def spy_sdpa(q, k, v, *args, mask=None, **kw):
+            if self.active:
+                self.shapes.add(("sdpa", _shape(q), _shape(k), _shape(v), _shape(mask)))
+            return sdpa(q, k, v, *args, mask=mask, **kw)
+
+        def spy_gdn(*args, **kw):
+            if self.active:
+                self.shapes.add(("gdn",) + tuple(_shape(a) for a in args))
+            return gdn(*args, **kw)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy_sdpa)
+        monkeypatch.setattr(gated_delta, "gated_delta_update", spy_gdn)
+        launch, finish = eng._launch, eng._finish
+
+        def watched_launch(k, *a, **kw):
+            self.active = k > 0
+            try:
+                rec = launch(k, *a, **kw)
+            finally:
+                self.active = False
+            if k > 0:
+                self.shapes.add(("cycle", k, _shape(rec.kept), _shape(rec.tokens), _shape(rec.hidden)))
+            return rec
+
+        def watched_finish(rec, *a, **kw):
+            self.active = rec.k > 0
+            try:
+                return finish(rec, *a, **kw)
+            finally:
+                self.active = False
+
+        monkeypatch.setattr(eng, "_launch", watched_launch)
+        monkeypatch.setattr(eng, "_finish", watched_finish)
+
+
+def run(eng, prompt, n, ref=None, depth=None):
+    req = Request(prompt=prompt, max_tokens=n, num_draft=depth)
+    if ref is not None:
+        eng.draft_hook = oracle_hook({req.id: reference_greedy(ref, prompt, n)}, p_correct=0.6, seed=len(prompt))
+    eng.submit(req)
+    out = []
+    while eng.has_work:
+        for ev in eng.step():
+            out += ev.token_ids
+    return out
+
+
+# Warm-up: one request per cache-capacity bucket (256 tokens) and depth. Shapes depend
+# on the bucket and the cycle's depth by design (a request's last cycles draft fewer
+# tokens: only what is left), never on the position inside the bucket.
+WARM_UP = [5, 300, 600]
+NEW_LENGTHS = [7, 33, 100, 201, 249, 260, 333, 450, 511, 590]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k):
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, num_draft=k)
+    rec = ShapeRecorder(monkeypatch, eng)
+    for n in WARM_UP:
+        for depth in range(1, k + 1):
+            run(eng, prompt_of(n, seed=n), 8, ref, depth)
+    seen = set(rec.shapes)
+    assert any(s[0] == "sdpa" and s[1][2] == k + 1 for s in seen)  # the verify was recorded
+    for n in NEW_LENGTHS:
+        run(eng, prompt_of(n, seed=n), 8, ref)
+        assert rec.shapes == seen, (n, rec.shapes - seen)
+
+
+def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    calls = []
+    dispatch = gated_delta.gated_delta_update
+
+    def spy(q, *args, **kw):
+        calls.append(q.shape[1])
+        return dispatch(q, *args, **kw)
+
+    monkeypatch.setattr(gated_delta, "gated_delta_update", spy)
+    eng = BatchGenerator(model, tok, num_draft=3)
+    prompt = prompt_of(20, seed=1)
+    assert run(eng, prompt, 30, ref) == reference_greedy(ref, prompt, 30)
+    assert 4 in calls  # the verify's k+1 positions went through mlx-lm's dispatch
+    # The capture never runs a recurrence step of its own: the fused kernel stays on the path.
+    assert "_gated_delta_step_ops" not in inspect.getsource(gdn_capture)
