@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from ..engine.batch import BatchGenerator
 from ..models.family import text_parts
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .engine_thread import EngineBridge
 from .errors import APIError, error_response, is_anthropic_path
 from .metrics import Metrics
@@ -98,16 +98,21 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                              "active": bridge.num_active, "waiting": bridge.num_waiting,
                              "engine_restarts": bridge.restarts})
 
+    async def root(request: HTTPRequest):  # clients probe GET / and HEAD /
+        return JSONResponse({"status": "ok", "server": "mlxmtp", "model": state.model_id})
+
     async def metrics_endpoint(request: HTTPRequest):
         return Response(metrics.render(), media_type=metrics.content_type)
 
     routes = [
+        Route("/", root, methods=["GET", "HEAD"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v1/models", openai_api.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", openai_api.get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/responses", responses_api.responses, methods=["POST"]),
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
     ]
@@ -162,7 +167,7 @@ class _Outer:
             await send(message)
 
         try:
-            if self.api_key and path != "/health" and not self._authorized(scope):
+            if self.api_key and path not in ("/health", "/") and not self._authorized(scope):
                 err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                code="invalid_api_key")
                 await error_response(err, path)(scope, receive, send_wrapper)
@@ -216,5 +221,5 @@ def _limited(receive, limit: int, error: Callable[[], APIError]):
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
-              "/v1/messages/count_tokens"}
+              "/v1/messages/count_tokens", "/v1/responses", "/"}
 __all__ = ["create_app", "ServerState", "is_anthropic_path"]
