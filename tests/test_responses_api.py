@@ -276,7 +276,7 @@ BAD = [
     ({"model": MODEL, "input": "x", "temperature": 3}, 400, "temperature"),
     ({"model": MODEL, "input": "x", "store": "no"}, 400, "store"),
     ({"model": MODEL, "input": "x", "truncation": "middle"}, 400, "truncation"),
-    ({"model": MODEL, "input": "x " * 2000}, 413, None),
+    ({"model": MODEL, "input": "x " * 2000}, 400, "input"),
 ]
 
 

@@ -11,7 +11,7 @@ from .errors import APIError
 from .reasoning import OutputSplitter, Piece
 
 
-def context_error(state, n_prompt: int, anthropic: bool) -> APIError:
+def context_error(state, n_prompt: int, anthropic: bool, param: str = "messages") -> APIError:
     """The prompt leaves no room for output: each API's own wording, which clients parse
     (Claude Code reads Anthropic's "prompt is too long: N tokens > M maximum")."""
     limit = min(state.context_length - 1, state.max_prompt_tokens or state.context_length)
@@ -19,16 +19,16 @@ def context_error(state, n_prompt: int, anthropic: bool) -> APIError:
         return APIError(400, f"prompt is too long: {n_prompt} tokens > {limit} maximum")
     return APIError(400, f"This model's maximum context length is {state.context_length} tokens. However, your "
                          f"messages resulted in {n_prompt} tokens, more than the {limit} a prompt may have. "
-                         "Please reduce the length of the messages.", param="messages",
+                         "Please reduce the length of the messages.", param=param,
                     code="context_length_exceeded")
 
 
-def output_budget(state, n_prompt: int, requested, anthropic: bool = False) -> int:
+def output_budget(state, n_prompt: int, requested, anthropic: bool = False, param: str = "messages") -> int:
     """max_tokens for a prompt of n_prompt tokens: the request's, capped at the room left in
     the context (and the room left is the default); a prompt that leaves none is a 400."""
     room = state.context_length - n_prompt
     if room < 1 or (state.max_prompt_tokens and n_prompt > state.max_prompt_tokens):
-        raise context_error(state, n_prompt, anthropic)
+        raise context_error(state, n_prompt, anthropic, param)
     return room if requested is None else min(requested, room)
 
 

@@ -243,7 +243,8 @@ def _prepare_completion(state, raw: bytes):
     lp_n = field(body, "logprobs", int, minimum=0, maximum=5)
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size)
-    max_tokens = output_budget(state, len(ids), field(body, "max_tokens", int, minimum=1, default=16))
+    max_tokens = output_budget(state, len(ids), field(body, "max_tokens", int, minimum=1, default=16),
+                               param="prompt")
     req = Request(prompt=ids, max_tokens=max_tokens, params=params, stop=string_list(body, "stop"),
                   logprobs=lp_n, num_draft=num_draft(body))
     return Generation(state, req, splitter=None, body=body), dict(model=model, stream=stream,

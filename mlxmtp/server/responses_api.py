@@ -42,7 +42,7 @@ from ..engine.request import Request
 from .anthropic_api import _event
 from .chat import _arguments, render
 from .errors import APIError
-from .generation import DEFAULT_MAX_TOKENS, Generation, finish_error
+from .generation import Generation, finish_error, output_budget
 from .openai_api import SSE_HEADERS, _collect, _guarded, check_model
 from .reasoning import OutputSplitter, Piece
 from .validation import field, num_draft, parse_json_body, sampling_params
@@ -484,11 +484,10 @@ def _check_accepted(body: dict) -> None:
         raise _bad("'include' must be an array of strings", "include")
 
 
-async def responses(request: HTTPRequest):
-    state = request.app.state.server
-    body = parse_json_body(await request.body())
+def _prepare(state, raw: bytes):
+    """Body -> (Generation, body, warnings, tools): validation and templating, off the event loop."""
+    body = parse_json_body(raw)
     check_model(state, body)
-    model = body["model"]  # answered under the name the client used
     _check_accepted(body)
     warnings: List[str] = []
     tools = parse_tools(body.get("tools"), warnings)
@@ -501,12 +500,22 @@ async def responses(request: HTTPRequest):
     messages = input_messages(body, tools)
     thinking = thinking_flag(state, body)
     max_out = field(body, "max_output_tokens", int, minimum=1)
-    stream = field(body, "stream", bool, default=False)
+    field(body, "stream", bool)
     params = sampling_params(body, state.vocab_size)
     ids, _, in_think = render(state.tok, messages, chat_tools or None, thinking)
-    req = Request(prompt=ids, max_tokens=max_out or DEFAULT_MAX_TOKENS, params=params, num_draft=num_draft(body))
+    req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), max_out, param="input"), params=params,
+                  num_draft=num_draft(body))
     splitter = OutputSplitter(in_thinking=in_think, parse_tools=bool(chat_tools), tools=chat_tools or None)
-    gen = Generation(state, req, splitter=splitter, body=body)
+    return Generation(state, req, splitter=splitter, body=body), warnings, tools
+
+
+async def responses(request: HTTPRequest):
+    state = request.app.state.server
+    gen, warnings, tools = await state.off_loop(_prepare, state, await request.body())
+    body, params = gen.body, gen.req.params
+    model = body["model"]  # answered under the name the client used
+    max_out = body.get("max_output_tokens")
+    stream = field(body, "stream", bool, default=False)
     gen.start()
     shape = ResponseShape(body, model, params, max_out)
     headers = {WARNING_HEADER: "; ".join(warnings)} if warnings else {}
