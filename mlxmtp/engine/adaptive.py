@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .cycle_costs import CycleCosts
@@ -52,26 +53,37 @@ def _bucket(batch_size: int) -> int:
     return b
 
 
+@dataclass
+class PolicyConfig:
+    """Every knob of the depth policy, in one place."""
+
+    explore: float = 0.01  # throughput share probes may cost, by the mean estimates
+    min_probe_every: int = 20  # cycles between probes, at the least ...
+    max_probe_every: int = 2000  # ... and at the most
+    window: int = 15  # cost ratios kept per depth pair (cycle_costs)
+    margin: float = 0.05  # drafting must beat plain decoding by this much
+    hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
+    min_samples: int = 3  # cost samples before a depth counts as measured
+    burst: int = 3  # cycles per calibration block / probe without a partner
+    prior_accept: float = 0.5  # acceptance assumed before any draft was tried
+    prior_weight: float = 2.0  # pseudo-counts of that prior
+    depth_weight: float = 10.0  # pseudo-counts shrinking a depth's acceptance to its class's
+    decay: float = 0.998  # per-cycle forgetting of acceptance counts
+
+
+# Why a cycle got its depth (DepthPolicy.why, the engine's stats and /metrics).
+FIXED, NO_ROOM, CALIBRATING, PROBE, BEST, HOLDING = (
+    "fixed", "no room to draft", "calibrating", "probe", "best expected rate", "holding (switch not worth it)")
+
+
 class DepthPolicy:
-    def __init__(self, max_depth: int = MAX_DRAFT_DEPTH, fixed: Optional[int] = None, explore: float = 0.01,
-                 min_probe_every: int = 20, max_probe_every: int = 2000, window: int = 15, margin: float = 0.05,
-                 hysteresis: float = 0.02, min_samples: int = 3, burst: int = 3,
-                 prior_accept: float = 0.5, prior_weight: float = 2.0, depth_weight: float = 10.0, decay: float = 0.998):
+    def __init__(self, max_depth: int = MAX_DRAFT_DEPTH, fixed: Optional[int] = None,
+                 config: Optional[PolicyConfig] = None):
         self.max_depth = max_depth if fixed is None else fixed
         self.fixed = fixed
-        self.explore = explore
-        self.min_probe_every = min_probe_every
-        self.max_probe_every = max_probe_every
-        self.window = window
-        self.margin = margin
-        self.hysteresis = hysteresis
-        self.min_samples = min_samples
-        self.burst = burst
-        self.decay = decay
+        self.cfg = config or PolicyConfig()
+        self.why = ""  # the reason for the last choice (one of the constants above)
         # Per (class, depth) and position: drafts kept / drafts tried (see acceptance()).
-        self.prior_accept = prior_accept
-        self.prior_weight = prior_weight
-        self.depth_weight = depth_weight
         self.kept: Dict[Tuple[Hashable, int], List[float]] = {}
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
@@ -116,8 +128,8 @@ class DepthPolicy:
         kept, tried = self._counts((cls, k))
         out = []
         for i in range(1, k + 1):
-            n = tried[i] + self.depth_weight
-            a = (kept[i] + in_cls[i] * self.depth_weight) / n
+            n = tried[i] + self.cfg.depth_weight
+            a = (kept[i] + in_cls[i] * self.cfg.depth_weight) / n
             out.append(min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a)
         return out
 
@@ -127,7 +139,7 @@ class DepthPolicy:
         if cls not in self._memo:
             all_kept, all_tried = self._sums(list(self.kept))
             cls_kept, cls_tried = self._sums([key for key in self.kept if key[0] == cls])
-            out, prior, w = [0.0], self.prior_accept, self.prior_weight
+            out, prior, w = [0.0], self.cfg.prior_accept, self.cfg.prior_weight
             for i in range(1, self.max_depth + 1):
                 prior = (all_kept[i] + prior * w) / (all_tried[i] + w)
                 out.append((cls_kept[i] + prior * w) / (cls_tried[i] + w))
@@ -149,29 +161,29 @@ class DepthPolicy:
 
     def _costs(self, bucket: int) -> CycleCosts:
         if bucket not in self.costs:
-            self.costs[bucket] = CycleCosts(window=self.window)
+            self.costs[bucket] = CycleCosts(window=self.cfg.window)
         return self.costs[bucket]
 
     def _calibrated(self, bucket: int, k: int) -> bool:
-        return self._costs(bucket).samples(k) >= self.min_samples
+        return self._costs(bucket).samples(k) >= self.cfg.min_samples
 
     def choose(self, batch_size: int, limit: Optional[int] = None, classes: Optional[Sequence[Hashable]] = None) -> int:
         """The depth of the next cycle; `classes`: each row's acceptance class."""
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if self.fixed is not None:
-            return min(self.fixed, cap)
+            return self._because(FIXED, min(self.fixed, cap))
         if cap == 0:
-            return 0
+            return self._because(NO_ROOM, 0)
         self.cycles += 1
         bucket = _bucket(batch_size)
         if self._plan and max(self._plan) <= cap:
-            return self._plan.pop(0)
+            return self._because(PROBE, self._plan.pop(0))
         self._plan = []
         if not (self._calibrated(bucket, 0) and self._calibrated(bucket, 1)):
             # The two anchors first, in alternating blocks (each switch yields one ratio).
             n = self._calibration.get(bucket, 0)
             self._calibration[bucket] = n + 1
-            return (n // self.burst) % 2
+            return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
         classes = list(classes) if classes else [None]
         table = self._costs(bucket)
         costs = {k: c for k, c in table.costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
@@ -179,23 +191,23 @@ class DepthPolicy:
         def rates(optimistic):
             e = self.expected_tokens(optimistic, classes)
             r = {k: e[k] / c for k, c in costs.items()}
-            r[0] *= 1 + self.margin
+            r[0] *= 1 + self.cfg.margin
             return r
 
         mean, bound = rates(False), rates(True)
         best = max(mean, key=mean.get)
         if not self._calibrated(bucket, best):
             if self._fits(best, limit):
-                return self._start_probe(best)
+                return self._because(PROBE, self._start_probe(best))
             best = max((k for k in mean if self._calibrated(bucket, k)), key=mean.get)
         # Stay put unless clearly better: a switch to or from plain decoding has costs of
         # its own (the head catches up on the inputs of a k = 0 stretch; the first plain
         # cycle after drafting is not pipelined), and between drafting depths a close call
         # must not flip with every noisy sample.
-        cur = self.regime
+        cur, why = self.regime, BEST
         if cur in mean and self._calibrated(bucket, cur) and best != cur:
-            if mean[best] < mean[cur] * (1 + (self.margin if 0 in (best, cur) else self.hysteresis)):
-                best = cur
+            if mean[best] < mean[cur] * (1 + (self.cfg.margin if 0 in (best, cur) else self.cfg.hysteresis)):
+                best, why = cur, HOLDING
         self.regime = best
         # Probes re-measure costs and acceptance: a change in either (or an unlucky
         # measurement) is noticed. The regime is chosen by the mean estimates, but probes go
@@ -227,12 +239,16 @@ class DepthPolicy:
                 # verify 1 + 1.2k steps: 56 probe cycles in 16200 instead of 197). Only
                 # depths measured a few times count: a line through two noisy costs, taken
                 # out to k = 4, let a probe through on the 4-bit demo (session 6).
-                every = self.max_probe_every
+                every = self.cfg.max_probe_every
             else:
-                every = int(min(self.max_probe_every, max(self.min_probe_every, loss / self.explore)))
+                every = int(min(self.cfg.max_probe_every, max(self.cfg.min_probe_every, loss / self.cfg.explore)))
             if self.cycles - self._last_probe >= every:
-                return self._start_probe(alt)
-        return best
+                return self._because(PROBE, self._start_probe(alt))
+        return self._because(why, best)
+
+    def _because(self, why: str, k: int) -> int:
+        self.why = why
+        return k
 
     def _start_probe(self, k: int) -> int:
         # A probe measures the cost ratio of its depth to a measured partner's and its
@@ -260,7 +276,7 @@ class DepthPolicy:
     def _probe_plan(self, k: int) -> List[int]:
         """The depths of a probe's cycles, the first included."""
         partner = self.regime if k > 0 and self.regime > 0 else (1 if k > 1 else None)
-        return [k] * self.burst if partner is None else [k, k, partner, k, k]
+        return [k] * self.cfg.burst if partner is None else [k, k, partner, k, k]
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
@@ -277,7 +293,7 @@ class DepthPolicy:
             c = self._costs(bucket).costs([0, k])
             if c[0] and c[k]:
                 excess = max(0.0, switch[2] / seconds - 1.0) * c[k] / c[0]
-                self.switch_costs.setdefault(bucket, deque(maxlen=self.window)).append(excess)
+                self.switch_costs.setdefault(bucket, deque(maxlen=self.cfg.window)).append(excess)
         # Acceptance is learnt from cycles that follow one of the same depth (the steady
         # state of that depth: see _start_probe).
         steady, self._last_k = k == self._last_k, k
@@ -288,7 +304,7 @@ class DepthPolicy:
             # that could pay), instead of a few early samples deciding for good.
             for counts in (*self.kept.values(), *self.tried.values()):
                 for i in range(1, self.max_depth + 1):
-                    counts[i] *= self.decay
+                    counts[i] *= self.cfg.decay
             for kept, cls in zip(kept_per_row, classes or [None] * len(kept_per_row)):
                 kept_c, tried_c = self._counts((cls, k))
                 for i in range(1, k + 1):

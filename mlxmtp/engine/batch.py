@@ -140,6 +140,7 @@ class BatchGenerator:
         self._lock = threading.Lock()
         self.cycles = 0
         self.last_depth = 0
+        self.why = ""  # why the last cycle got its depth (see _choose_depth)
         # Tests replace drafts through this hook to force chosen acceptance patterns
         # (drafts are verified, so any drafts give the same output): draft_hook(rows, drafts) -> drafts.
         self.draft_hook = None
@@ -347,18 +348,25 @@ class BatchGenerator:
 
     # ---------------------------------------------------------------- decode
     def _choose_depth(self) -> int:
+        """The next cycle's depth; `self.why` says why (stats and /metrics report it)."""
         if self.head is None:
+            self.why = "no MTP head"
             return 0
         # Drafting past a row's max_tokens is wasted but harmless (the stop truncates it);
         # capping by the row with the most room keeps one finishing row from stalling MTP.
         limit = max(r.req.max_tokens - r.generated - 1 for r in self.rows)
         pinned = [r.req.num_draft for r in self.rows if r.req.num_draft is not None]
         if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
+            self.why = "pinned by a request"
             return max(0, min(min(pinned), limit))
-        return self.policy.choose(len(self.rows), limit, _acceptance_classes(self.rows))
+        k = self.policy.choose(len(self.rows), limit, _acceptance_classes(self.rows))
+        self.why = getattr(self.policy, "why", "")
+        return k
 
     def _decode_cycle(self, events: List[Event]) -> None:
         k = self._choose_depth()
+        for r in self.rows:
+            r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1
         pipelined = k == 0 and all(not r.sampler.procs for r in self.rows)
         if self._inflight is not None and not pipelined:
             self._drain(events)

@@ -54,6 +54,7 @@ class RequestStats:
     draft_seconds: float = 0.0  # drafting alone, when the engine profiles
     overhead_seconds: float = 0.0  # host: building graphs, bookkeeping (pipelined cycles: all)
     depths: Dict[int, int] = field(default_factory=dict)
+    depth_reasons: Dict[str, int] = field(default_factory=dict)  # cycles by why their depth was chosen
 
     def record_cycle(self, k: int, kept: int, emitted: int) -> None:
         self.forwards += 1
@@ -87,6 +88,7 @@ class RequestStats:
             "tokens_per_forward": self.decode_tokens / self.forwards if self.forwards else 0.0,
             "forwards": self.forwards,
             "depths": dict(sorted(self.depths.items())),
+            "depth_reasons": dict(self.depth_reasons),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "time": {"draft": self.draft_seconds, "verify": self.device_seconds,

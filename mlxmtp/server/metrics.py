@@ -34,6 +34,8 @@ class Metrics:
                                     "Cumulative acceptance rate by draft position.", ["position"], registry=r)
         self.depth = Counter(p + "mtp_depth_cycles", "Decode cycles by chosen draft depth.", ["depth"],
                              registry=r)
+        self.depth_reason = Counter(p + "mtp_depth_decisions", "Decode cycles by depth and the reason the depth "
+                                    "policy gave for it.", ["depth", "reason"], registry=r)
         self.last_depth = Gauge(p + "mtp_depth", "Draft depth chosen for the latest decode cycle.", registry=r)
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised.", registry=r)
         self._pos_totals: dict = {}
@@ -44,6 +46,7 @@ class Metrics:
         self.batch.set(engine.num_active)
         if decoded:
             self.depth.labels(str(engine.last_depth)).inc()
+            self.depth_reason.labels(str(engine.last_depth), engine.why).inc()
             self.last_depth.set(engine.last_depth)
 
     def on_finish(self, stats) -> None:
