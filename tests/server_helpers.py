@@ -86,5 +86,7 @@ class Hook:
         for name, text in sorted(self.scripts.items(), key=lambda kv: -len(kv[0])):  # longest name first
             if f"FORCE:{name}" in raw:
                 ids = self.tok.encode(text, add_special_tokens=False) + [EOS_ID]
-                req.params.logits_processors.append(forced_processor(len(req.prompt), ids))
+                # First: what the server adds (a thinking budget) acts on the scripted
+                # model's logits as it would on a real model's.
+                req.params.logits_processors.insert(0, forced_processor(len(req.prompt), ids))
                 return

@@ -180,7 +180,8 @@ def encode(body) -> bytes:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model, tok = load(str(write_hf_checkpoint(tmp_path_factory.mktemp("bad") / "model", "qwen3_5")))
-    app = create_app(model, tok, model_id=MODEL, context_length=CONTEXT, max_body_mb=1)
+    # Strict model names: an unknown name is one of the rejections catalogued here.
+    app = create_app(model, tok, model_id=MODEL, context_length=CONTEXT, max_body_mb=1, strict_model_name=True)
     with ServerThread(app) as srv:
         srv.state = app.state.server
         yield srv

@@ -86,8 +86,7 @@ def wait_idle(state, timeout=10.0):
 def test_models_and_health(server, oai):
     assert [m.id for m in oai.models.list().data] == [MODEL]
     assert oai.models.retrieve(MODEL).id == MODEL
-    with pytest.raises(openai.NotFoundError):
-        oai.models.retrieve("other")
+    assert oai.models.retrieve("other").id == "other"  # any name is served (see test_strict_model_name)
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["mtp_active"] is True
 
@@ -357,7 +356,6 @@ OPENAI_BAD = [
     (b"{not json", 400),
     (b"[1, 2]", 400),
     ({"messages": [{"role": "user", "content": "x"}]}, 400),  # no model
-    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ({"model": MODEL}, 400),
     ({"model": MODEL, "messages": []}, 400),
     ({"model": MODEL, "messages": "hi"}, 400),
@@ -385,7 +383,6 @@ def test_openai_bad_input(server, body, status):
 ANTHROPIC_BAD = [
     (b"{", 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, 400),  # max_tokens required
-    ({"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 404),
     ({"model": MODEL, "max_tokens": 5, "messages": []}, 400),
     ({"model": MODEL, "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400),
     ({"model": MODEL, "max_tokens": 5, "temperature": -1, "messages": [{"role": "user", "content": "x"}]}, 400),
@@ -407,17 +404,43 @@ def test_anthropic_bad_input(server, body, status):
 
 
 def test_clients_raise_typed_errors_and_server_keeps_serving(oai, ant, server):
-    with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model="gpt-99", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
         chat(oai, "x", temperature=-1)
-    with pytest.raises(anthropic.NotFoundError):
-        ant.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError):
         ant.messages.create(model=MODEL, max_tokens=5, messages=[])
     r = httpx.get(server.url + "/v1/nothing-here")
     assert r.status_code == 404 and "error" in r.json()
     assert chat(oai, "fine", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_strict_model_name(loaded):
+    """--strict-model-name: only the model id and its aliases; others get a typed 404 on
+    every endpoint."""
+    model, tok = loaded
+    app = create_app(model, tok, model_id=MODEL, aliases=["my-alias"], strict_model_name=True)
+    user = [{"role": "user", "content": "x"}]
+    with ServerThread(app) as srv:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        ant = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.NotFoundError):
+            oai.chat.completions.create(model="gpt-99", messages=user)
+        with pytest.raises(openai.NotFoundError):
+            oai.completions.create(model="gpt-99", prompt="x")
+        with pytest.raises(openai.NotFoundError):
+            oai.responses.create(model="gpt-99", input="x")
+        with pytest.raises(openai.NotFoundError):
+            oai.models.retrieve("gpt-99")
+        with pytest.raises(anthropic.NotFoundError):
+            ant.messages.create(model="claude-x", max_tokens=5, messages=user)
+        with pytest.raises(anthropic.NotFoundError):
+            ant.messages.count_tokens(model="claude-x", messages=user)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "nope", "messages": user}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(srv.url + "/v1/messages", json={"model": "nope", "max_tokens": 5, "messages": user})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert [m.id for m in oai.models.list().data] == [MODEL, "my-alias"]
+        # An alias is answered, under its own name.
+        assert oai.chat.completions.create(model="my-alias", messages=user, max_tokens=1).model == "my-alias"
 
 
 # ------------------------------------------------------------------ metrics and auth

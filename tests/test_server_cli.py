@@ -45,7 +45,7 @@ def test_serve_options_reach_the_app(tmp_path):
         res = CliRunner().invoke(main, ["serve", "--model", str(path), "--port", "9999", "--api-key", "k",
                                         "--max-prompt-tokens", "100", "--num-draft", "2", "--log-level", "warning",
                                         "--context-length", "777", "--max-body-mb", "0.5",
-                                        "--shutdown-timeout", "3.5"])
+                                        "--shutdown-timeout", "3.5", "--strict-model-name", "--alias", "a1"])
     assert res.exit_code == 0, res.output
     app = run.call_args.args[0]
     assert run.call_args.kwargs["port"] == 9999
@@ -54,7 +54,8 @@ def test_serve_options_reach_the_app(tmp_path):
     state = app.state.server
     assert state.mtp_active and state.max_prompt_tokens == 100 and state.model_id == str(path)
     assert state.context_length == 777
-    assert state.knows_model("m")  # a local path also answers to its folder name
+    assert state.strict_model_name and state.knows_model("m")  # a local path also answers to its folder name
+    assert state.knows_model("a1") and not state.knows_model("claude-x")
 
 
 def test_serve_defaults(tmp_path):
@@ -66,6 +67,7 @@ def test_serve_defaults(tmp_path):
     assert run.call_args.kwargs["shutdown_timeout"] == 10.0 and run.call_args.kwargs["host"] == "127.0.0.1"
     assert app.api_key is None and app.max_body == 8 * 2**20
     assert app.state.server.context_length == 4096  # the fixture's max_position_embeddings
+    assert not app.state.server.strict_model_name and app.state.server.knows_model("claude-sonnet-4-5")
 
 
 @pytest.mark.parametrize("args,env,where", [

@@ -82,10 +82,32 @@ WARM_UP = [5, 300, 600]
 NEW_LENGTHS = [7, 33, 100, 201, 249, 260, 333, 450, 511, 590]
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k):
+    """The GPU default, run here: greedy output equals mlx-lm's for rows joining at
+    different times, whatever each row keeps."""
+    model, tok, ref = loaded(str(fixture_model(family)["hf"]))
+    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, prefill_step=64)
+    reqs = [Request(prompt=prompt_of(n, seed=n), max_tokens=30) for n in (4, 90, 270)]
+    want = {r.id: reference_greedy(ref, r.prompt, 30) for r in reqs}
+    eng.draft_hook = oracle_hook(want, p_correct=0.6, seed=k)
+    got = {r.id: [] for r in reqs}
+    for step, r in enumerate(reqs):
+        eng.submit(r)
+        for _ in range(step * 3):
+            for ev in eng.step():
+                got[ev.request_id] += ev.token_ids
+    while eng.has_work:
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+    assert got == want
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=k)
+    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True)  # the default on GPU backends
     rec = ShapeRecorder(monkeypatch, eng)
     for n in WARM_UP:
         for depth in range(1, k + 1):
@@ -107,7 +129,7 @@ def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):
         return dispatch(q, *args, **kw)
 
     monkeypatch.setattr(gated_delta, "gated_delta_update", spy)
-    eng = BatchGenerator(model, tok, num_draft=3)
+    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True)
     prompt = prompt_of(20, seed=1)
     assert run(eng, prompt, 30, ref) == reference_greedy(ref, prompt, 30)
     assert 4 in calls  # the verify's k+1 positions went through mlx-lm's dispatch

@@ -97,7 +97,8 @@ class _Cycle:
 class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
                  max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = 512,
-                 prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False):
+                 prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
+                 shape_stable: Optional[bool] = None):
         self.model = model
         self.tokenizer = tokenizer
         att = getattr(model, "mtp", None)
@@ -130,6 +131,10 @@ class BatchGenerator:
         # profile: evaluate drafts on their own (one more sync per cycle) to split device
         # time into draft and verify; off by default, the split is for benchmarks.
         self.profile = profile
+        # Shape-stable drafting cycles (see ragged_cache): what a GPU backend that plans or
+        # compiles kernels per shape needs. Off by default on the CPU backend, which compiles
+        # nothing per shape, and where attending over a whole buffer costs real work.
+        self.shape_stable = mx.default_device() != mx.cpu if shape_stable is None else shape_stable
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.rows: List[Row] = []  # active, in batch order
         self.cache: Optional[list] = None
@@ -322,9 +327,10 @@ class BatchGenerator:
             # Verify forwards (and every head forward) in the shape-stable mode: a new
             # position or prompt length never makes a new shape; plain decoding (one token)
             # keeps mlx-lm's own attention call.
-            adapter.fix_shapes(self.cache, 2)
-            if self.head_cache is not None:
-                adapter.fix_shapes(self.head_cache, 1)
+            if self.shape_stable:
+                adapter.fix_shapes(self.cache, 2)
+                if self.head_cache is not None:
+                    adapter.fix_shapes(self.head_cache, 1)
         else:
             adapter.extend_cache(self.cache, row.cache)
             if self.head_cache is not None:

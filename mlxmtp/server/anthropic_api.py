@@ -1,20 +1,27 @@
-"""Anthropic-compatible endpoint: POST /v1/messages (what Claude Code speaks)."""
+"""Anthropic-compatible endpoint: POST /v1/messages (what Claude Code speaks).
+
+Taken as clients send it: `role: "system"` entries inside `messages` (placed by
+chat.place_system), beta fields (`context_management`, `output_config`, `metadata`,
+`?beta=true`) ignored, `thinking.budget_tokens` an upper bound on the reasoning
+(thinking_budget.py), `tool_choice` any / tool forcing the call (chat.build_prompt).
+`count_tokens` renders through the same path, so it is the prompt the request prefills.
+"""
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, List, Optional, Tuple
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..engine.request import Request
-from .chat import anthropic_messages, anthropic_tools, render
+from .chat import Prompt, anthropic_messages, anthropic_tools, build_prompt
 from .errors import APIError
 from .generation import Generation, finish_error, output_budget
 from .openai_api import SSE_HEADERS, _collect, _guarded
-from .reasoning import OutputSplitter
+from .thinking_budget import add_budget
 from .validation import (
     anthropic_tool_choice,
     field,
@@ -49,49 +56,58 @@ def _tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def _thinking_flag(body: dict) -> Optional[bool]:
+def _thinking(body: dict) -> Tuple[Optional[bool], Optional[int]]:
+    """-> (enable_thinking for the template, None: its default; the reasoning budget or None)."""
     thinking = field(body, "thinking", dict)
     if thinking is None:
-        return None  # the template's default
+        return None, None
     kind = thinking.get("type")
-    if kind in ("enabled", "adaptive"):
-        return True
+    if kind == "enabled":
+        return True, field(thinking, "budget_tokens", int, minimum=1, label="thinking.budget_tokens")
+    if kind == "adaptive":
+        return True, None
     if kind == "disabled":
-        return False
+        return False, None
     raise APIError(400, "thinking.type: must be 'enabled', 'adaptive' or 'disabled'")
 
 
-def _check_model(state, body: dict) -> None:
+def _check_model(state, body: dict) -> str:
+    """The model name the response reports: the one the client asked for."""
     model = field(body, "model", str, required=True)
     if not state.knows_model(model):
         raise APIError(404, f"model: {model} (this server serves '{state.model_id}')")
+    return model
 
 
-def _conversation(state, body: dict):
-    """-> (prompt ids, tools, whether output starts inside <think>)."""
+def _conversation(state, body: dict) -> Tuple[Prompt, Optional[List[dict]]]:
+    """-> (the prompt, the tools the model sees). Shared by messages and count_tokens."""
     _check_model(state, body)
     if "messages" not in body:
         raise APIError(400, "messages: field required")
     msgs = anthropic_messages(body.get("system"), body["messages"])
     tools = anthropic_tools(body.get("tools"))
-    if anthropic_tool_choice(body, tools) == "none":
+    choice = anthropic_tool_choice(body, tools)
+    if choice == "none":
         tools = None
-    ids, _, in_think = render(state.tok, msgs, tools, _thinking_flag(body))
-    return ids, tools, in_think
+    prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], tool_choice=choice)
+    return prompt, tools
 
 
 def _prepare(state, raw: bytes):
-    """Body -> (Generation, stream?): validation and templating, run off the event loop."""
+    """Body -> (Generation, stream?): validation and templating, run off the event loop.
+    Unknown fields (beta features such as context_management, output_config) are ignored."""
     body = parse_json_body(raw)
     max_tokens = field(body, "max_tokens", int, required=True, minimum=1)
-    ids, tools, in_think = _conversation(state, body)
+    prompt, tools = _conversation(state, body)
     stop = string_list(body, "stop_sequences")
     stream = field(body, "stream", bool, default=False)
     params = sampling_params(body, state.vocab_size, anthropic=True)
+    ids = prompt.ids
     req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), max_tokens, anthropic=True), params=params,
                   stop=stop, num_draft=num_draft(body))
-    gen = Generation(state, req, splitter=OutputSplitter(in_thinking=in_think, parse_tools=bool(tools), tools=tools),
-                     body=body)
+    if not prompt.opening:  # a forced tool call has no reasoning to bound
+        add_budget(req, state.tok, _thinking(body)[1], prompt.in_think)
+    gen = Generation(state, req, splitter=prompt.splitter(tools), body=body)
     return gen, stream
 
 
@@ -100,8 +116,9 @@ async def messages(request: HTTPRequest):
     gen, stream = await state.off_loop(_prepare, state, await request.body())
     gen.start()
     mid = "msg_" + uuid.uuid4().hex[:24]
+    model = gen.body["model"]  # answered under the name the client used
     if stream:
-        return StreamingResponse(_guarded(gen, _stream(gen, mid, state.model_id)), media_type="text/event-stream",
+        return StreamingResponse(_guarded(gen, _stream(gen, mid, model)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     await _collect(gen, request)
     if gen.error:
@@ -114,13 +131,13 @@ async def messages(request: HTTPRequest):
             content.append({"type": "text", "text": value})
         else:
             content.append({"type": "tool_use", "id": _tool_id(), "name": value["name"], "input": value["arguments"]})
-    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": state.model_id,
+    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
                          "content": _merge_blocks(content), "stop_reason": _stop_reason(gen),
                          "stop_sequence": gen.stop_sequence(), "usage": _usage(gen)})
 
 
 def _count(state, raw: bytes) -> int:
-    return len(_conversation(state, parse_json_body(raw))[0])
+    return len(_conversation(state, parse_json_body(raw))[0].ids)
 
 
 async def count_tokens(request: HTTPRequest):
@@ -152,7 +169,10 @@ async def _stream(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
     def close():
         return _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
-    async for pieces, ev in gen.updates():
+    async for pieces, ev in gen.updates(keepalive=True):
+        if ev is None:  # no token yet (a long prefill): keep the connection alive
+            yield _event("ping", {"type": "ping"})
+            continue
         for kind, value in pieces:
             if kind == "tool_call":
                 if open_kind is not None:

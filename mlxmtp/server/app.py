@@ -41,6 +41,7 @@ class ServerState:
     context_length: int  # prompt + output tokens a request may reach
     max_prompt_tokens: Optional[int] = None
     aliases: set = field(default_factory=set)
+    strict_model_name: bool = False  # True: unknown model names get 404
     request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
     created: int = field(default_factory=lambda: int(time.time()))
     # Parsing, validating, templating and tokenising run here, off the event loop (a 2 MB
@@ -52,17 +53,26 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
 
     def knows_model(self, name: str) -> bool:
-        # Agents often send a name of their own; "*" in --alias accepts any.
+        # Agents send names of their own (claude-sonnet-..., gpt-5-codex): one model is
+        # served, so any name is answered unless --strict-model-name ("*" in --alias
+        # accepts any name even then).
+        if not self.strict_model_name:
+            return True
         return name == self.model_id or name in self.aliases or "*" in self.aliases
+
+    def model_names(self) -> list:
+        """What /v1/models lists: the served model, then its aliases."""
+        return [self.model_id] + sorted(a for a in self.aliases if a not in ("*", self.model_id))
 
 
 def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool = True,
                num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
                prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
-               max_body_mb: float = 8.0) -> Starlette:
+               max_body_mb: float = 8.0, strict_model_name: bool = False) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
-    request bodies over `max_body_mb` MiB get 413."""
+    request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
+    name asked for) unless `strict_model_name`: then only the model id and its aliases."""
     att = getattr(model, "mtp", None)
     _materialize(model)
     mtp_active = bool(enable_mtp and att is not None and att.active)
@@ -83,7 +93,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
                         mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
                         context_length=context_length or args.max_position_embeddings,
-                        max_prompt_tokens=max_prompt_tokens, aliases=names, request_hook=request_hook)
+                        max_prompt_tokens=max_prompt_tokens, aliases=names, request_hook=request_hook,
+                        strict_model_name=strict_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

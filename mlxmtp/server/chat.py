@@ -3,15 +3,19 @@
 Both APIs are converted to the OpenAI-style message list Qwen templates expect:
 `system` / `user` / `assistant` (with `reasoning_content` and `tool_calls` whose
 arguments are dicts: Qwen3.5's template iterates `arguments|items`) and `tool`.
+System messages go where the template takes them (`place_system`), and `build_prompt`
+adds what the request asks of the turn's start (a forced tool call).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import APIError
-from .reasoning import starts_in_thinking
+from .reasoning import THINK_END, OutputSplitter, starts_in_thinking
+from .tool_parsers import TOOL_CALL_START
 
 Message = Dict[str, Any]
 
@@ -121,17 +125,17 @@ def _tool_result_text(content: Any, where: str) -> str:
     for b in _blocks(content, where):
         if b.get("type") == "text":
             texts.append(str(b.get("text", "")))
-        else:
-            raise APIError(400, f"{where}: tool_result blocks of type {b.get('type')!r} are not supported")
+        else:  # an image a tool returned (Claude Code's Read of a picture): say so, keep the turn
+            texts.append(f"[{b.get('type')} omitted: this server reads text only]")
     return "\n".join(texts)
 
 
-def anthropic_system(system: Any) -> Optional[str]:
+def anthropic_system(system: Any, where: str = "system") -> Optional[str]:
     if system is None:
         return None
     if isinstance(system, str):
         return system
-    return "\n".join(str(b.get("text", "")) for b in _blocks(system, "system") if b.get("type") == "text")
+    return "\n".join(str(b.get("text", "")) for b in _blocks(system, where) if b.get("type") == "text")
 
 
 def anthropic_messages(system: Any, messages: Any) -> List[Message]:
@@ -148,8 +152,11 @@ def anthropic_messages(system: Any, messages: Any) -> List[Message]:
         if not isinstance(m, dict):
             raise APIError(400, f"{where}: must be an object")
         role = m.get("role")
+        if role == "system":  # not in Anthropic's API, but clients send it: placed by render
+            out.append({"role": "system", "content": anthropic_system(m.get("content"), where) or ""})
+            continue
         if role not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+            raise APIError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}")
         blocks = _blocks(m.get("content"), where)
         if role == "user":
             texts = []
@@ -192,6 +199,8 @@ def anthropic_messages(system: Any, messages: Any) -> List[Message]:
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+    if all(m["role"] == "system" for m in out):
+        raise APIError(400, "messages: at least one user or assistant message is required")
     return out
 
 
@@ -215,6 +224,62 @@ def anthropic_tools(tools: Any) -> Optional[List[dict]]:
 
 
 # ------------------------------------------------------------------ rendering
+_PROBE = "mlxmtp-probe-7f3a"
+_LATER_SYSTEM: Dict[str, bool] = {}  # chat template -> does it render a system turn after the first turn?
+SYSTEM_MARKER = "[System]\n"
+
+
+def _renders_later_system(tok) -> bool:
+    """Qwen3 templates render a later system message as a system turn; Qwen3.5/3.6 ones
+    raise ("System message must be at the beginning"). Probed once per template."""
+    template = str(tok.chat_template)
+    if template not in _LATER_SYSTEM:
+        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+                 {"role": "system", "content": _PROBE}, {"role": "user", "content": "v"}]
+        try:
+            text = tok.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+            _LATER_SYSTEM[template] = _PROBE in text
+        except Exception:  # noqa: BLE001 - raise_exception in the template: it does not
+            _LATER_SYSTEM[template] = False
+    return _LATER_SYSTEM[template]
+
+
+def _marked(notes: List[str], content: str) -> str:
+    text = "\n\n".join(SYSTEM_MARKER + n for n in notes)
+    return f"{text}\n\n{content}" if content else text
+
+
+def place_system(tok, messages: List[Message]) -> List[Message]:
+    """System messages where the template accepts them: the leading ones merged into one
+    system prompt; a later one kept as a system turn where the template renders one, else
+    folded into the next user turn behind a "[System]" marker (a user turn of its own
+    when an assistant turn or the end comes first)."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out: List[Message] = []
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])})
+    rest = messages[lead:]
+    if not any(m["role"] == "system" for m in rest) or _renders_later_system(tok):
+        return out + rest
+    pending: List[str] = []
+    for m in rest:
+        if m["role"] == "system":
+            pending.append(m["content"])
+            continue
+        if pending and m["role"] == "user":
+            m = dict(m, content=_marked(pending, m["content"]))
+            pending = []
+        elif pending and m["role"] == "assistant":
+            out.append({"role": "user", "content": _marked(pending, "")})
+            pending = []
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": _marked(pending, "")})
+    return out
+
+
 def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
            enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None) -> Tuple[List[int], str, bool]:
     """-> (prompt ids, prompt text, whether generation starts inside <think>)."""
@@ -223,12 +288,51 @@ def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
     kwargs = dict(template_kwargs or {})
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    messages = place_system(tok, messages)
     try:
         text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja raise_exception etc. mean a bad conversation
         raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
     ids = tok.encode(text, add_special_tokens=False)
     return ids, text, starts_in_thinking(text)
+
+
+def tool_call_opening(tok, name: Optional[str] = None) -> str:
+    """The start of a tool call in the model's own format: Qwen3-Coder XML where the
+    template writes calls as `<function=NAME>`, else Hermes JSON; with the name when one
+    tool is forced. Ends where the model's own next token would start (after `":` / `>\n`)."""
+    if "<function=" in str(tok.chat_template):
+        return TOOL_CALL_START + "\n<function=" + (f"{name}>\n" if name else "")
+    return TOOL_CALL_START + "\n" + (f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":' if name else "")
+
+
+@dataclass
+class Prompt:
+    ids: List[int]
+    text: str
+    in_think: bool  # generation starts inside <think>
+    opening: str = ""  # a forced tool-call opening at the end of the prompt, as if the model had written it
+
+    def splitter(self, tools: Optional[List[dict]]) -> OutputSplitter:
+        return OutputSplitter(in_thinking=self.in_think, parse_tools=bool(tools), tools=tools, emitted=self.opening)
+
+
+def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = None,
+                 enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
+                 tool_choice: Optional[str] = None) -> Prompt:
+    """The prompt a request prefills. tool_choice 'required' or a tool's name (with tools)
+    forces a call: the turn starts with the tool-call opening, after an empty think block
+    where the template would open one (a forced call is the whole turn)."""
+    ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs)
+    if not tools or tool_choice in (None, "auto", "none"):
+        return Prompt(ids, text, in_think)
+    if in_think:
+        _, text, in_think = render(tok, messages, tools, False, template_kwargs)
+        if in_think:  # no enable_thinking switch in this template: close the block ourselves
+            text += "\n" + THINK_END + "\n\n"
+    opening = tool_call_opening(tok, None if tool_choice == "required" else tool_choice)
+    text += opening
+    return Prompt(tok.encode(text, add_special_tokens=False), text, False, opening)
 
 
 def encode_prompt(tok, prompt: Any) -> List[int]:

@@ -36,14 +36,18 @@ log = logging.getLogger("mlxmtp.server")
               help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health "
                    "(also MLXMTP_API_KEY; an empty key is refused).")
 @click.option("--alias", "aliases", multiple=True,
-              help="Extra model name clients may send (repeatable; '*' accepts any name, e.g. for Claude Code).")
+              help="Extra model name /v1/models lists and --strict-model-name accepts (repeatable; '*' "
+                   "accepts any name).")
+@click.option("--strict-model-name", is_flag=True,
+              help="Answer only the model's own name and its aliases (others get 404). Default: any "
+                   "model name a client sends is answered by the served model, under that name.")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM / Ctrl+C, seconds open streams may run before they are ended with an error "
                    "event; a second signal exits at once.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
-          max_body_mb, prefix_cache_mb, api_key, aliases, shutdown_timeout, log_level):
+          max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
     _check_api_key(api_key)  # before the (slow) model load
     from ..models.load import MTPLoadError, load
@@ -71,7 +75,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
-                     aliases=aliases, context_length=context_length, max_body_mb=max_body_mb)
+                     aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
+                     strict_model_name=strict_model_name)
     from .shutdown import run_server
 
     log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)

@@ -3,12 +3,18 @@ engine bridge with its output split into content / reasoning / tool calls."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, List, Optional, Tuple
 
 from ..engine.request import Event, Request
 from .errors import APIError
 from .reasoning import OutputSplitter, Piece
+
+# A stream that has no token yet (a long prefill, or waiting for a batch slot) sends a
+# keep-alive this often: clients and proxies drop a connection silent for long (Claude
+# Code's stream watchdog, nginx's 60 s read timeout). Read at run time: tests shorten it.
+KEEPALIVE_SECONDS = 5.0
 
 
 def context_error(state, n_prompt: int, anthropic: bool, param: str = "messages") -> APIError:
@@ -60,12 +66,26 @@ class Generation:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    async def updates(self) -> AsyncIterator[Tuple[List[Piece], Event]]:
+    async def _next(self, keepalive: bool) -> Optional[Event]:
+        """The next engine event; None when `keepalive` and KEEPALIVE_SECONDS passed before the first token."""
+        if not keepalive or self.token_ids:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), KEEPALIVE_SECONDS)
+        except asyncio.TimeoutError:  # the event stays queued: a cancelled get takes nothing
+            return None
+
+    async def updates(self, keepalive: bool = False) -> AsyncIterator[Tuple[List[Piece], Optional[Event]]]:
+        """(pieces, event) per engine event; with `keepalive`, ([], None) each KEEPALIVE_SECONDS
+        until the first token: the stream sends its API's keep-alive then."""
         st = self.state
         last = None
         try:
             while True:
-                ev: Event = await self.queue.get()
+                ev = await self._next(keepalive)
+                if ev is None:
+                    yield [], None
+                    continue
                 now = time.perf_counter()
                 if ev.token_ids:
                     if last is None:

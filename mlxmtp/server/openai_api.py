@@ -12,10 +12,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..engine.limits import MAX_TOP_LOGPROBS
 from ..engine.request import Request
-from .chat import encode_prompt, openai_messages, openai_tools, render
+from .chat import build_prompt, encode_prompt, openai_messages, openai_tools
 from .errors import APIError
 from .generation import Generation, finish_error, output_budget
-from .reasoning import OutputSplitter
 from .validation import (
     field,
     num_draft,
@@ -27,6 +26,7 @@ from .validation import (
 )
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, the connection sees traffic
 
 
 def _sse(obj) -> str:
@@ -34,11 +34,12 @@ def _sse(obj) -> str:
 
 
 def check_model(state, body: dict) -> str:
+    """The model name the response reports: the one the client asked for."""
     model = field(body, "model", str, required=True)
     if not state.knows_model(model):
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{state.model_id}'",
                        param="model", code="model_not_found")
-    return state.model_id
+    return model
 
 
 def _max_tokens(body: dict) -> Optional[int]:
@@ -115,13 +116,14 @@ async def _collect(gen: Generation, request: HTTPRequest) -> None:
 
 
 # ------------------------------------------------------------------ handlers
-def _model_card(state) -> dict:
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxmtp",
-            "mtp": {"active": state.mtp_active, "disabled_reason": state.mtp_disabled_reason}}
+def _model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "mlxmtp",
+            "root": state.model_id, "mtp": {"active": state.mtp_active, "disabled_reason": state.mtp_disabled_reason}}
 
 
 async def list_models(request: HTTPRequest):
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.server)]})
+    state = request.app.state.server
+    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in state.model_names()]})
 
 
 async def get_model(request: HTTPRequest):
@@ -129,7 +131,7 @@ async def get_model(request: HTTPRequest):
     name = request.path_params["model_id"]
     if not state.knows_model(name):
         raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(state, name))
 
 
 def _prepare_chat(state, raw: bytes):
@@ -140,7 +142,8 @@ def _prepare_chat(state, raw: bytes):
         raise APIError(400, "'messages' is a required field", param="messages")
     messages = openai_messages(body["messages"])
     tools = openai_tools(body.get("tools"))
-    if openai_tool_choice(body, tools) == "none":
+    choice = openai_tool_choice(body, tools)
+    if choice == "none":
         tools = None
     if field(body, "n", int, default=1, minimum=1) != 1:
         raise APIError(400, "only n=1 is supported", param="n")
@@ -155,11 +158,11 @@ def _prepare_chat(state, raw: bytes):
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size)
-    ids, _, in_think = render(state.tok, messages, tools, thinking, kwargs)
+    prompt = build_prompt(state.tok, messages, tools, thinking, kwargs, tool_choice=choice)
+    ids = prompt.ids
     req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), _max_tokens(body)), params=params,
                   stop=string_list(body, "stop"), logprobs=(top_n or 0) if want_lp else None, num_draft=num_draft(body))
-    gen = Generation(state, req, splitter=OutputSplitter(in_thinking=in_think, parse_tools=bool(tools), tools=tools),
-                     body=body)
+    gen = Generation(state, req, splitter=prompt.splitter(tools), body=body)
     return gen, dict(model=model, stream=stream, include_usage=include_usage, want_lp=want_lp)
 
 
@@ -199,7 +202,10 @@ async def _chat_stream(state, gen: Generation, cid: str, created: int, model: st
 
     yield chunk({"role": "assistant", "content": ""})
     n_calls = 0
-    async for pieces, ev in gen.updates():
+    async for pieces, ev in gen.updates(keepalive=True):
+        if ev is None:
+            yield KEEPALIVE
+            continue
         deltas = []
         for kind, value in pieces:
             if kind == "content":
@@ -287,7 +293,10 @@ async def _completion_stream(state, gen: Generation, cid: str, created: int, mod
         return _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                      "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
 
-    async for pieces, ev in gen.updates():
+    async for pieces, ev in gen.updates(keepalive=True):
+        if ev is None:
+            yield KEEPALIVE
+            continue
         text = "".join(v for _, v in pieces)
         lp = _completion_logprobs(state.tok, ev.logprobs) if (lp_n is not None and ev.logprobs) else None
         if text or lp:

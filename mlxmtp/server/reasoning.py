@@ -8,7 +8,9 @@ complete `<tool_call>...</tool_call>` becomes one parsed call (or, if it does no
 parse, plain content so nothing is lost).
 
 When the prompt's generation prefix already opened `<think>` (Qwen3.5/3.6 with
-enable_thinking), the output starts inside the reasoning: `in_thinking=True`.
+enable_thinking), the output starts inside the reasoning: `in_thinking=True`. When the
+server ended the prompt with the opening of a forced tool call, `emitted` is that text:
+it is parsed as if the model had written it, so the call it starts comes back whole.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def starts_in_thinking(prompt_text: str) -> bool:
 
 class OutputSplitter:
     def __init__(self, *, in_thinking: bool = False, parse_tools: bool = True,
-                 tools: Optional[List[dict]] = None):
+                 tools: Optional[List[dict]] = None, emitted: str = ""):
         self.mode = "reasoning" if in_thinking else "content"
         self.parse_tools = parse_tools
         self.tools = tools
@@ -39,6 +41,8 @@ class OutputSplitter:
         self.tool_body = ""
         self.lstrip = True  # drop whitespace at the start of a section
         self.any_content = False
+        if emitted:
+            self.feed(emitted)  # "<tool_call>\n...": switches to the call, yields no piece of its own
 
     def _tags(self) -> List[str]:
         if self.mode == "reasoning":

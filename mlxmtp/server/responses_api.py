@@ -1,8 +1,8 @@
 """OpenAI Responses API: POST /v1/responses (what Codex CLI speaks), streaming or not.
 
 The request becomes the same chat messages as /v1/chat/completions (chat.py's shape):
-`instructions` and the leading system/developer messages one system message, `message`
-items turns, `function_call` items an assistant turn's `tool_calls`, `function_call_output`
+`instructions` and system/developer messages system messages (chat.place_system merges
+the leading ones and places a later one where the template takes it), `message` items turns, `function_call` items an assistant turn's `tool_calls`, `function_call_output`
 items `tool` messages, and a `reasoning` item the next assistant turn's
 `reasoning_content`. The output pieces (reasoning / content / tool calls, split as for
 chat completions) become output items: `reasoning`, `message` and `function_call`.
@@ -40,11 +40,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..engine.request import Request
 from .anthropic_api import _event
-from .chat import _arguments, render
+from .chat import _arguments, build_prompt
 from .errors import APIError
 from .generation import Generation, finish_error, output_budget
-from .openai_api import SSE_HEADERS, _collect, _guarded, check_model
-from .reasoning import OutputSplitter, Piece
+from .openai_api import KEEPALIVE, SSE_HEADERS, _collect, _guarded, check_model
+from .reasoning import Piece
 from .validation import field, num_draft, parse_json_body, sampling_params
 
 WARNING_HEADER = "x-mlxmtp-warning"
@@ -230,9 +230,9 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 
 def input_messages(body: dict, tools: Tools) -> List[dict]:
-    """`instructions` + `input` -> chat messages. System and developer messages before the
-    first turn join the system message; a later one becomes a user turn (Qwen templates
-    take a system message only first, and the prompt prefix stays cacheable)."""
+    """`instructions` + `input` -> chat messages. System and developer messages stay system
+    messages where they are: render (chat.place_system) merges the leading ones into the
+    system prompt and places a later one as the template allows."""
     messages: List[dict] = []
     instructions = field(body, "instructions", str)
     if instructions:
@@ -268,13 +268,7 @@ def input_messages(body: dict, tools: Tools) -> List[dict]:
                 raise _bad(f"'{where}.content' is a required field", f"{where}.content")
             text = _text(item["content"], f"{where}.content")
             if role in ("system", "developer"):
-                if all(m["role"] == "system" for m in messages):
-                    if messages:
-                        messages[0]["content"] += "\n\n" + text
-                    else:
-                        messages.append({"role": "system", "content": text})
-                else:
-                    messages.append({"role": "user", "content": text})
+                messages.append({"role": "system", "content": text})
             elif role == "assistant":
                 assistant(text)
             else:
@@ -502,11 +496,11 @@ def _prepare(state, raw: bytes):
     max_out = field(body, "max_output_tokens", int, minimum=1)
     field(body, "stream", bool)
     params = sampling_params(body, state.vocab_size)
-    ids, _, in_think = render(state.tok, messages, chat_tools or None, thinking)
+    prompt = build_prompt(state.tok, messages, chat_tools or None, thinking, tool_choice=choice)
+    ids = prompt.ids
     req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), max_out, param="input"), params=params,
                   num_draft=num_draft(body))
-    splitter = OutputSplitter(in_thinking=in_think, parse_tools=bool(chat_tools), tools=chat_tools or None)
-    return Generation(state, req, splitter=splitter, body=body), warnings, tools
+    return Generation(state, req, splitter=prompt.splitter(chat_tools or None), body=body), warnings, tools
 
 
 async def responses(request: HTTPRequest):
@@ -535,7 +529,10 @@ async def responses(request: HTTPRequest):
 async def _stream(state, gen: Generation, shape: ResponseShape, items: OutputItems) -> AsyncIterator[str]:
     yield items.event("response.created", response=shape.build("in_progress", []))
     yield items.event("response.in_progress", response=shape.build("in_progress", []))
-    async for pieces, ev in gen.updates():
+    async for pieces, ev in gen.updates(keepalive=True):
+        if ev is None:
+            yield KEEPALIVE
+            continue
         for chunk in items.feed(pieces):
             yield chunk
         if ev.finish_reason is None:
