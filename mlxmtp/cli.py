@@ -17,12 +17,13 @@ def main():
 
 
 def _register():
+    from .bench_cli import bench
     from .convert.cli import add_mtp_weights
     from .engine.cli import generate
     from .models.cli import inspect
     from .server.cli import serve
 
-    for cmd in (serve, generate, inspect, add_mtp_weights):
+    for cmd in (serve, generate, bench, inspect, add_mtp_weights):
         main.add_command(cmd)
 
 

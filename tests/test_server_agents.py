@@ -61,7 +61,7 @@ def claude_code_body(last_user: str, *, history: bool = False) -> dict:
         ]
     messages.append({"role": "user", "content": [{"type": "text", "text": last_user}]})
     return {
-        "model": "claude-sonnet-4-5-20250929", "max_tokens": 32000, "stream": True, "temperature": 1,
+        "model": "claude-sonnet-4-6", "max_tokens": 32000, "stream": True, "temperature": 1,
         "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
                    {"type": "text", "text": "Be concise."}],
         "messages": messages,

@@ -1,0 +1,191 @@
+"""`mlxmtp bench`: the user-facing decode benchmark, in the spirit of `mlx_lm.benchmark`.
+
+For each prompt length, one request at a time on the engine the server runs
+(`engine.generate.stream_generate`): MTP off, adaptive depth, each fixed depth, and
+mlx-lm's own `stream_generate` on the same model object and prompt. Every run generates
+exactly `-g` tokens (EOS is ignored, as mlx_lm.benchmark does). Reported per setting:
+time to first token, prompt tokens/s (prompt / TTFT), generation tokens/s (after the
+first token), its ratio to mlx-lm's, MTP acceptance by draft position, tokens per
+forward, depths used and peak memory; medians over `-n` trials.
+
+The prompt is code (the demo model's held-out prompts, repeated and cut to length): on
+random tokens no drafter is accepted. Settings run one after another within a trial, in
+reversed order on odd trials; on a machine whose speed drifts (shared hosts) compare
+ratios and use more trials. bench/decode.py is the finer, interleaved measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import click
+
+from .engine.limits import MAX_DRAFT_DEPTH
+
+
+def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from e
+    if any(v < low or (high is not None and v > high) for v in values):
+        raise click.BadParameter(f"values must lie in [{low}, {high if high is not None else 'inf'}]", param_hint=name)
+    return values
+
+
+def prompt_ids(tok, n: int) -> List[int]:
+    """n tokens of code."""
+    from .testing.demo_prompts import HELD_OUT_PROMPTS
+
+    text = "\n\n".join(HELD_OUT_PROMPTS.values())
+    ids: List[int] = []
+    while len(ids) < n:
+        ids += tok.encode(text + "\n\n", add_special_tokens=False)
+    return ids[:n]
+
+
+def _timed(events) -> dict:
+    """Drive a token stream (yielding token counts) -> ttft, decode tokens/s, tokens."""
+    t0 = time.perf_counter()
+    first = last = None
+    n = n_first = 0
+    for count in events:
+        if count:
+            last = time.perf_counter()
+            if first is None:
+                first, n_first = last, count
+            n += count
+    decode = (n - n_first) / (last - first) if last is not None and last > first else 0.0
+    return {"ttft_s": (first or time.perf_counter()) - t0, "generation_tps": decode, "generated_tokens": n}
+
+
+def run_mlx_lm(model, tok, ids: List[int], gen: int, temp: float) -> dict:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    stream = mlx_lm.stream_generate(model, tok, ids, max_tokens=gen, sampler=make_sampler(temp=temp))
+    return _timed(1 for _ in stream)
+
+
+def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict:
+    """depth: 0 (MTP off), "adaptive" or a fixed draft depth."""
+    from .engine.generate import stream_generate
+    from .engine.sampling import SamplingParams
+
+    stats: dict = {}
+
+    def counts():
+        for ev in stream_generate(model, tok, ids, max_tokens=gen, params=SamplingParams(temperature=temp, seed=0),
+                                  enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth):
+            if ev.stats is not None:
+                stats.update(ev.stats.as_dict())
+            yield len(ev.token_ids)
+
+    out = _timed(counts())
+    if depth != 0:
+        out.update({k: stats.get(k) for k in ("acceptance_by_position", "tokens_per_forward", "depths")})
+    return out
+
+
+def _one(model, tok, ids, gen, temp, setting) -> dict:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+    res = run_mlx_lm(model, tok, ids, gen, temp) if setting is None else run_mlxmtp(model, tok, ids, gen, temp,
+                                                                                   setting)
+    res["peak_mib"] = mx.get_peak_memory() / 2**20
+    res["prompt_tps"] = len(ids) / res["ttft_s"] if res["ttft_s"] > 0 else 0.0
+    return res
+
+
+def _summary(label: str, runs: List[dict], ref_tps: Optional[float]) -> dict:
+    """Medians over trials (acceptance: the mean by position, depths: summed)."""
+    med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "prompt_tps", "generation_tps", "peak_mib")}
+    out = {"setting": label, **med, "generated_tokens": runs[0]["generated_tokens"],
+           "vs_mlx_lm": med["generation_tps"] / ref_tps if ref_tps else None}
+    if runs[0].get("acceptance_by_position") is not None:
+        by = [r["acceptance_by_position"] for r in runs]
+        out["acceptance_by_position"] = [statistics.mean(a[i] for a in by if len(a) > i)
+                                         for i in range(max(len(a) for a in by))]
+        out["tokens_per_forward"] = statistics.median(r["tokens_per_forward"] for r in runs)
+        depths: Dict[str, int] = {}
+        for r in runs:
+            for d, n in r["depths"].items():
+                depths[str(d)] = depths.get(str(d), 0) + n
+        out["depths"] = depths
+    return out
+
+
+def _table(result: dict) -> str:
+    cols = ["setting", "TTFT s", "prompt tok/s", "gen tok/s", "vs mlx-lm", "acceptance by position", "tok/fwd",
+            "peak MiB"]
+    rows = []
+    for s in result["settings"]:
+        label = s["setting"] + (" (depths " + ", ".join(f"{d}:{n}" for d, n in sorted(s["depths"].items())) + ")"
+                                if s["setting"] == "adaptive" else "")
+        rows.append([label, f"{s['ttft_s']:.3f}", f"{s['prompt_tps']:.1f}", f"{s['generation_tps']:.1f}",
+                     f"{s['vs_mlx_lm']:.2f}x" if s["vs_mlx_lm"] else "",
+                     " ".join(f"{a:.2f}" for a in s.get("acceptance_by_position") or []),
+                     f"{s['tokens_per_forward']:.2f}" if s.get("tokens_per_forward") else "", f"{s['peak_mib']:.0f}"])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model).")
+@click.option("--prompt-tokens", "-p", default="128,1024", show_default=True,
+              help="Prompt lengths, comma-separated.")
+@click.option("--generation-tokens", "-g", default=128, show_default=True, type=click.IntRange(min=2),
+              help="Tokens generated by every run.")
+@click.option("--depths", default="1,2,3", show_default=True,
+              help=f"Fixed draft depths to run besides MTP off and adaptive (1-{MAX_DRAFT_DEPTH}; '' for none).")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--num-trials", "-n", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--no-mlx-lm", is_flag=True, help="Leave out mlx-lm's stream_generate.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the progress bar goes to stderr).")
+def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_mlx_lm, as_json):
+    """Decode speed: MTP off vs adaptive vs fixed depths vs mlx-lm, per prompt length."""
+    from tqdm import tqdm
+
+    from .models.load import load
+
+    lengths = _int_list(prompt_tokens, "--prompt-tokens", 1)
+    fixed = _int_list(depths, "--depths", 1, MAX_DRAFT_DEPTH)
+    m, tok = load(model, mtp=True, mtp_fallback=True)
+    tok._eos_token_ids = set()  # every run generates exactly -g tokens (mlx_lm.benchmark does the same)
+    settings = [("mlx-lm", None)] * (not no_mlx_lm) + [("MTP off", 0)]
+    if m.mtp.active:
+        settings += [("adaptive", "adaptive")] + [(f"k={k}", k) for k in fixed]
+    runs = len(lengths) * len(settings) * (num_trials + 1)
+    report = {"model": model or "mlxmtp-demo", "mtp_active": bool(m.mtp.active),
+              "mtp_disabled_reason": m.mtp.disabled_reason, "generation_tokens": generation_tokens,
+              "temperature": temp, "num_trials": num_trials, "results": []}
+    with tqdm(total=runs, desc="mlxmtp bench", file=sys.stderr, disable=None) as bar:
+        for n in lengths:
+            ids = prompt_ids(tok, n)
+            results: Dict[str, List[dict]] = {label: [] for label, _ in settings}
+            for _, setting in settings:  # warm-up: compiles, and the adaptive policy's calibration
+                _one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting)
+                bar.update()
+            for trial in range(num_trials):
+                for label, setting in (settings if trial % 2 == 0 else settings[::-1]):
+                    bar.set_postfix_str(f"prompt {n}, {label}")
+                    results[label].append(_one(m, tok, ids, generation_tokens, temp, setting))
+                    bar.update()
+            ref = statistics.median(r["generation_tps"] for r in results["mlx-lm"]) if not no_mlx_lm else None
+            report["results"].append({"prompt_tokens": n, "settings": [
+                _summary(label, results[label], ref) for label, _ in settings]})
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    head = f"model: {report['model']}   MTP head: " + ("active" if m.mtp.active else f"inactive ({m.mtp.disabled_reason})")
+    click.echo(f"{head}   generation: {generation_tokens} tokens   temp: {temp}   trials: {num_trials} (medians)")
+    for result in report["results"]:
+        click.echo(f"\nprompt: {result['prompt_tokens']} tokens")
+        click.echo(_table(result))

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared run on a lent NVIDIA machine (MLX's CUDA backend stands in
+# for an Apple GPU): install mlx-cuda from the parts made as ../shared/docs/gpu-notes.md says,
+# then run the exactness tests that matter on a GPU and the decode benchmark, writing
+# everything under $OUT (or ./gpu-out).
+#
+#   bash scripts/gpu_check.sh stage1          # first transfer: keeps .gpu/partaa on the machine
+#   bash scripts/gpu_check.sh stage2 [quick]  # second transfer: unpack, test, benchmark
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+
+if [ "${1:-}" = stage1 ]; then
+    mkdir -p /root/persist && cp .gpu/partaa /root/persist/ && echo "part 1 kept"
+    exit 0
+fi
+
+mkdir -p /tmp/site
+cat /root/persist/partaa .gpu/partab | python3 -c \
+    "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
+NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+ln -sfn "$NV" /tmp/site/nvidia  # libmlx.so's RPATH is $ORIGIN/../../nvidia/...
+[ -d .gpu/wheels ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+LD_LIBRARY_PATH=$(ls -d "$NV"/*/lib | tr '\n' ':')
+export LD_LIBRARY_PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import mlx.core as mx; print(mx.default_device())" | tee "$OUT/device.txt"
+
+# float32 fixtures need TF32 off to be token-identical between 1- and multi-token forwards.
+MLX_ENABLE_TF32=0 python3 -m pytest -q -x tests/test_shape_stability.py tests/test_engine_exact.py \
+    tests/test_engine_rollback.py tests/test_isolation.py 2>&1 | tee "$OUT/tests.txt"
+
+ROUNDS=4
+[ "${2:-}" = quick ] && ROUNDS=2
+python3 bench/decode.py --models demo --temps 0,0.6 --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode.md"
+[ -f bench/draft_vocab.py ] && python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md"
+echo done
