@@ -254,6 +254,9 @@ class _Scripted:
     def update(self, k, batch_size, seconds, kept_per_row, classes=None, switch_seconds=None):
         self.calls.append((k, seconds))
 
+    def plain_regime(self):
+        return False
+
 
 def test_engine_times_cycles_only_between_two_of_the_same_kind(fixture_model):
     # A cycle's cost is the interval since the previous finish, so it is only reported when

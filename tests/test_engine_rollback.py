@@ -115,8 +115,8 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
     # gives mlx-lm's greedy output, and with right drafts still accepts them.
     from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
-    from mlxmtp.engine import batch as batch_mod
     from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.head_inputs import FORGET_AFTER
     from mlxmtp.engine.request import Request
 
     class Plain80ThenDraft:
@@ -133,6 +133,9 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
 
         def update(self, *args, **kwargs):
             pass
+
+        def plain_regime(self):
+            return self.regime == 0
 
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     prompt = prompt_of(30, seed=4)
@@ -152,5 +155,5 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
             head_len = eng.head_cache[0].lengths[0]  # the head saw the prompt, nothing since
     assert head_len <= len(prompt)
     assert out == expected
-    assert most_pending <= batch_mod.FORGET_AFTER + 1  # a probe starts with a head pass over them
+    assert most_pending <= FORGET_AFTER + 1  # a probe starts with a head pass over them
     assert stats.accepted == stats.drafted > 0

@@ -10,6 +10,7 @@ from mlxmtp.server.chat import (
     anthropic_tools,
     encode_prompt,
     openai_messages,
+    place_system,
     render,
 )
 from mlxmtp.server.errors import APIError, anthropic_error_body, openai_error_body
@@ -174,6 +175,35 @@ def test_render_with_fixture_template(tmp_path):
     assert "<tools>" not in text_on and not text_on.endswith("</think>\n\n")
     assert encode_prompt(tok, "abc") == tok.encode("abc", add_special_tokens=False)
     assert encode_prompt(tok, [[1, 2, 3]]) == [1, 2, 3]
+
+
+def test_place_system_folds_where_the_template_refuses():
+    class Strict:  # a template that takes a system message only first (Qwen3.5/3.6)
+        chat_template = "strict"
+
+        def apply_chat_template(self, messages, **kw):
+            if any(m["role"] == "system" for m in messages[1:]):
+                raise ValueError("System message must be at the beginning.")
+            return "".join(m["content"] for m in messages)
+
+    sys_, user, asst = ({"role": r, "content": c} for r, c in (("system", "S"), ("user", "u"), ("assistant", "a")))
+    note = {"role": "system", "content": "N"}
+    tool = {"role": "tool", "content": "t"}
+    assert place_system(Strict(), [sys_, dict(sys_, content="T"), user]) == [
+        {"role": "system", "content": "S\n\nT"}, user]
+    # Into the next user turn, after tool results; its own user turn before an assistant turn or at the end.
+    assert place_system(Strict(), [sys_, user, asst, note, tool, user]) == [
+        sys_, user, asst, tool, {"role": "user", "content": "[System]\nN\n\nu"}]
+    assert place_system(Strict(), [user, note, asst, note]) == [
+        user, {"role": "user", "content": "[System]\nN"}, asst, {"role": "user", "content": "[System]\nN"}]
+
+    class Renders(Strict):  # Qwen3's templates render a later system turn: kept
+        chat_template = "renders"
+
+        def apply_chat_template(self, messages, **kw):
+            return "".join(m["content"] for m in messages)
+
+    assert place_system(Renders(), [user, asst, note, user]) == [user, asst, note, user]
 
 
 # ------------------------------------------------------------------ errors

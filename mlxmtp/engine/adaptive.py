@@ -246,6 +246,11 @@ class DepthPolicy:
                 return self._because(PROBE, self._start_probe(alt))
         return self._because(why, best)
 
+    def plain_regime(self) -> bool:
+        """Whether the depth in use outside probes is plain decoding (the engine then keeps
+        the head's pending inputs bounded instead of feeding them to the head)."""
+        return self.regime == 0
+
     def _because(self, why: str, k: int) -> int:
         self.why = why
         return k

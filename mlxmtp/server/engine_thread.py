@@ -164,9 +164,8 @@ class EngineBridge:
         # The step may have failed half-way through moving a row (e.g. a prefill that had
         # just left `waiting`), so "touched" is everything except what provably had not
         # started: still in the inbox, or waiting with no prefill state yet.
-        untouched = {r.req.id for r in eng.waiting if r.cache is None}
-        untouched |= {req.id for req in list(getattr(eng, "_inbox", ()))}
-        cancelled = set(getattr(eng, "_cancel", ()))
+        untouched = set(eng.unstarted_request_ids())
+        cancelled = set(eng.cancelled_ids())
         with self._lock:
             try:
                 self.engine = self._make_engine()

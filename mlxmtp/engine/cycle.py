@@ -1,0 +1,126 @@
+"""One decode cycle for every active row: launch, then commit.
+
+Launch builds the whole cycle lazily: the head chains k drafts per row (proposer), the
+main model verifies every row's k+1 tokens in ONE forward, and each row keeps its own
+number of drafts (verify; ragged acceptance). Commit reads the results (the cycle's one
+host synchronisation) and rolls every cache back to exactly the tokens each row
+consumed: attention caches trim per row in O(1); Gated DeltaNet state is selected per
+row from the states recorded during the verify; no second forward.
+
+Plain decoding (k = 0) is pipelined as mlx-lm does it: a cycle's forward is queued on
+the device before the previous cycle's tokens are read (`BatchGenerator._decode_cycle`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+
+from ..models import gdn_capture
+from . import mlx_lm_adapter as adapter
+from .pieces import ModelPieces
+from .state import Batch, Row, acceptance_classes
+from .verify import VerifyMetadata, accept
+
+
+@dataclass
+class Cycle:
+    """One decode cycle's lazily built results, read by `BatchGenerator._finish`."""
+
+    rows: List[Row]
+    k: int
+    kept: mx.array  # [B] drafts kept per row
+    tokens: mx.array  # [B, k+1]; row b emits tokens[b, : kept[b] + 1]
+    lps: Optional[mx.array]  # [B, k+1, 1 + 2n] logprob tables (see verify.logprob_table), or None
+    hidden: mx.array  # [B, k+1, H] head inputs
+    records: list  # Gated DeltaNet per-position states of the verify
+    t0: float
+    pipelined: bool  # its input is the previous cycle's unread token
+    synchronous: bool = False  # evaluated and read in the call that built it
+    built: float = 0.0  # graph built (synchronous cycles)
+    computed: float = 0.0  # device done (synchronous cycles)
+
+    def select(self, keep: List[int]) -> "Cycle":
+        idx = mx.array(keep, dtype=mx.int32)
+        return Cycle([self.rows[i] for i in keep], self.k, self.kept[idx], self.tokens[idx],
+                     None if self.lps is None else self.lps[idx], self.hidden[idx], self.records,
+                     self.t0, self.pipelined)
+
+
+def choose_depth(policy, rows: List[Row], has_head: bool) -> Tuple[int, str]:
+    """The next cycle's depth, and why (request stats and /metrics report it)."""
+    if not has_head:
+        return 0, "no MTP head"
+    # Drafting past a row's max_tokens is wasted but harmless (the stop truncates it);
+    # capping by the row with the most room keeps one finishing row from stalling MTP.
+    limit = max(r.req.max_tokens - r.generated - 1 for r in rows)
+    pinned = [r.req.num_draft for r in rows if r.req.num_draft is not None]
+    if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
+        return max(0, min(min(pinned), limit)), "pinned by a request"
+    k = policy.choose(len(rows), limit, acceptance_classes(rows))
+    return k, getattr(policy, "why", "")
+
+
+def first_inputs(rows: List[Row], after: Optional[Cycle]) -> mx.array:
+    """[B, 1]: each row's last token, not yet fed to the main model."""
+    if after is not None:  # the previous (unread) cycle's tokens are this one's inputs
+        return after.tokens[:, :1]
+    return mx.array([r.y for r in rows], dtype=mx.int32)[:, None]
+
+
+def wait_for_drafts(drafts: mx.array, q_rows: List[Optional[mx.array]]) -> float:
+    """Evaluate the drafts on their own (profiling) -> seconds."""
+    t = time.perf_counter()
+    mx.eval(drafts, *[q for q in q_rows if q is not None])
+    return time.perf_counter() - t
+
+
+def verify(pieces: ModelPieces, cache: list, rows: List[Row], ys: mx.array, drafts: mx.array,
+           q_rows: List[Optional[mx.array]], rule: str, t0: float, pipelined: bool) -> Cycle:
+    """Build the verify forward over [ys, drafts] ([B, k+1]) and the acceptance, lazily."""
+    k = drafts.shape[1]
+    records = []
+    if k > 0:
+        inputs = mx.concatenate([ys, drafts], axis=1)
+        with gdn_capture.record() as rec:
+            logits, hidden = adapter.forward(pieces.parts, inputs, cache, pieces.hidden_state)
+        records = rec.layers
+    else:
+        logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
+    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q_rows, rule), logits)
+    return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined)
+
+
+def evaluate(rec: Cycle, batch: Batch) -> None:
+    """Compute a synchronous cycle now, timing the device's part."""
+    # The caches are evaluated with the tokens: the work is due anyway, and leaving it
+    # lazy would bill this cycle's cost to the next one (and skew the depth policy).
+    rec.built, rec.synchronous = time.perf_counter(), True
+    mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
+            *adapter.cache_arrays(batch.cache), *(adapter.cache_arrays(batch.head_cache) if batch.head_cache else []))
+    rec.computed = time.perf_counter()
+
+
+def start(rec: Cycle) -> None:
+    """Queue a pipelined cycle on the device without waiting for it."""
+    mx.async_eval(rec.tokens, *([rec.lps] if rec.lps is not None else []))
+
+
+def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
+    """The cycle's results on the host: (kept per row, tokens per row, logprob tables or None)."""
+    # k = 0 keeps nothing by definition: no device read (an unevaluated array read here
+    # would wait behind the next cycle already queued on the device).
+    kept = rec.kept.tolist() if rec.k else [0] * len(rec.rows)
+    return kept, rec.tokens.tolist(), rec.lps.tolist() if rec.lps is not None else None
+
+
+def roll_back(rec: Cycle, batch: Batch, consumed: List[int]) -> None:
+    """Roll the caches back to exactly the tokens each row consumed (y plus the kept drafts)."""
+    adapter.commit(batch.cache, rec.records, consumed, rec.k + 1)
+    if batch.head_cache is not None and rec.k > 1:
+        # The rows the head wrote while chaining drafts 2..k (from its own guesses).
+        for c in batch.head_cache:
+            c.trim_rows([rec.k - 1] * len(rec.rows))

@@ -1,0 +1,114 @@
+"""Output: a row's new tokens become text and events; stop tokens, stop strings and
+max_tokens end it.
+
+A cycle emits up to k+1 tokens per row at once; a row that finishes part-way consumes
+only the tokens up to its end, and the cycle rolls its caches back to exactly those.
+Text that could still grow into a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+from .failures import RowFailure, blame
+from .request import Event, RequestStats
+from .state import Row
+
+log = logging.getLogger("mlxmtp")
+
+
+def emit_cycle(rows: List[Row], k: int, kept: List[int], tokens: List[List[int]],
+               tables: Optional[list], events: List[Event]) -> Tuple[List[int], List[int]]:
+    """Emit one cycle's tokens for every row: row b's are tokens[b][: kept[b] + 1].
+
+    Returns (tokens each row consumed, batch indices of the rows that finished). A row
+    whose output fails (e.g. its detokenizer raises) fails alone and finishes here."""
+    finished, consumed = [], []
+    for b, row in enumerate(rows):
+        emitted = tokens[b][: kept[b] + 1]
+        row.stats.record_cycle(k, kept[b], len(emitted))
+        try:
+            with blame(row.req.id):
+                n = emit(row, emitted, events, tables[b] if tables is not None else None)
+        except RowFailure as f:
+            events.append(failed(row.req.id, f, row.stats))
+            n = len(emitted)
+        consumed.append(n if n else len(emitted))
+        if n:
+            finished.append(b)
+    return consumed, finished
+
+
+def emit(row: Row, tokens: List[int], events: List[Event], tables=None) -> int:
+    """Append tokens to a row and queue its event. Returns 0 while the row goes on, else
+    how many of `tokens` it consumed before finishing (the rest are never emitted).
+
+    `tables`: the tokens' logprob tables (verify.logprob_table), None for the first token
+    (its table is in row.first_lp)."""
+    out, reason = _append(row, tokens)
+    stops = row.req.stop
+    text = row.detok.text
+    if stops and (hit := _find_stop(text, stops)) is not None:
+        text = text[:hit]
+        reason = reason or "stop"
+    # Hold back text that could still grow into a stop string.
+    hold = 0 if reason is not None else max((len(s) - 1 for s in stops), default=0)
+    upto = max(row.sent, len(text) - hold)
+    delta, row.sent = text[row.sent : upto], upto
+    row.text = text
+    lp_list = None
+    if row.req.logprobs is not None:
+        tables = tables if tables is not None else [row.first_lp]
+        lp_list = [logprob_entry(t, table, row.req.logprobs) for t, table in zip(out, tables)]
+    events.append(Event(row.req.id, out, delta, reason, logprobs=lp_list,
+                        stats=row.stats if reason else None))
+    return len(out) if reason else 0
+
+
+def _append(row: Row, tokens: List[int]) -> Tuple[List[int], Optional[str]]:
+    """Add tokens to the row and its detokenizer up to the first that ends it
+    -> (the tokens added, why it ended or None)."""
+    out, reason = [], None
+    stops = row.req.stop
+    for t in tokens:
+        row.tokens.append(t)
+        row.generated += 1
+        row.stats.generated_tokens += 1
+        out.append(t)
+        if t in row.stop_ids:
+            reason = "stop"
+            break
+        row.detok.add_token(t)
+        if stops and _find_stop(row.detok.text, stops) is not None:
+            reason = "stop"
+            break
+        if row.generated >= row.req.max_tokens:
+            reason = "length"
+            break
+    if reason is not None:
+        row.detok.finalize()
+    return out, reason
+
+
+def failed(request_id: int, failure: RowFailure, stats: Optional[RequestStats]) -> Event:
+    """The final event of a request whose own code failed."""
+    log.warning("request %d failed: %s", request_id, failure)
+    return Event(request_id, [], "", "error", error=f"generation failed: {failure}", stats=stats)
+
+
+def _find_stop(text: str, stops: List[str]) -> Optional[int]:
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def logprob_entry(token: int, table: list, top_n: int) -> dict:
+    """One emitted token's row of a verify.logprob_table -> {"token", "logprob", "top": [(id, lp)]}."""
+    width = (len(table) - 1) // 2
+    ids, values = table[1 : 1 + width], table[1 + width :]
+    return {"token": token, "logprob": float(table[0]),
+            "top": [(int(i), float(v)) for i, v in zip(ids[:top_n], values[:top_n])]}

@@ -1,0 +1,136 @@
+"""Prefill: one request at a time (B=1), in chunks, in caches of its own.
+
+A prompt that fits in one chunk is prefilled whole; a long one advances one chunk per
+step, so it never stalls the batch for more than a chunk. Once the whole prompt is in,
+the row's first token is sampled from the prompt's last logits (as in plain decoding)
+and the row joins the batch. The prefix cache seeds a prompt that continues an earlier
+one, and keeps the state at the end of every prompt.
+
+The MTP head runs over every prompt position too: each main-model hidden state is paired
+with the prompt token after it (across chunk boundaries, the last hidden of a chunk with
+the first token of the next), and every complete pair is fed to the head at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import List
+
+import mlx.core as mx
+
+from . import mlx_lm_adapter as adapter
+from .failures import RowFailure, blame
+from .output import emit, failed
+from .pieces import ModelPieces
+from .prefix_cache import PrefixCache
+from .proposer import head_pass, pending_array, pending_count
+from .request import Event
+from .state import Batch, Row, prompt_left
+from .verify import sample_first
+
+
+class Prefiller:
+    def __init__(self, pieces: ModelPieces, prefix_cache: PrefixCache, step: int):
+        self.pieces = pieces
+        self.prefix_cache = prefix_cache
+        self.step = step  # tokens per chunk
+
+    def run(self, waiting: deque, batch: Batch, max_batch: int, events: List[Event]) -> None:
+        """Short prompts first, each whole, then one chunk of the oldest long prompt.
+
+        A prompt that fits in one chunk never waits behind a long one for more than that
+        long prompt's current chunk, and a long prompt still advances every step. Chunks
+        start at fixed offsets (multiples of the chunk size), whatever else is waiting, so
+        a prompt's prefill computes the same numbers under any load."""
+        budget = self.step
+        for row in [r for r in waiting if prompt_left(r) <= self.step]:
+            if budget <= 0 or len(batch.rows) >= max_batch:
+                break
+            budget -= prompt_left(row)
+            self._advance(row, True, waiting, batch, events)
+        long = next((r for r in waiting if prompt_left(r) > self.step), None)
+        if long is not None and len(batch.rows) < max_batch:
+            self._advance(long, False, waiting, batch, events)
+
+    def _advance(self, row: Row, whole: bool, waiting: deque, batch: Batch, events: List[Event]) -> None:
+        """Advance `row`'s prefill by one chunk (or to its end), join it to the batch when
+        its first token is out. A failure here is the row's alone (its caches are its own)."""
+        try:
+            with blame(row.req.id):
+                ready = self._chunk(row)
+                while whole and not ready:
+                    ready = self._chunk(row)
+                finished = ready and self._first_token(row, events)
+        except RowFailure as f:
+            waiting.remove(row)
+            events.append(failed(row.req.id, f, row.stats))
+            return
+        if ready:
+            waiting.remove(row)
+            if not finished:
+                batch.join(row)
+
+    def _chunk(self, row: Row) -> bool:
+        """Feed `row`'s next prompt chunk; True once the whole prompt is in."""
+        prompt = row.req.prompt
+        if row.cache is None:
+            row.t0 = time.perf_counter()
+            self._start(row)
+        # Like mlx-lm: chunks over prompt[:-1], then the last token alone.
+        todo = len(prompt) - 1 - row.done_prompt
+        if todo > 0:
+            n = min(todo, self.step - row.done_prompt % self.step)
+            self._forward(row, prompt[row.done_prompt : row.done_prompt + n])
+            row.done_prompt += n
+            return False
+        if row.done_prompt < len(prompt):
+            logits = self._forward(row, prompt[-1:])
+            row.done_prompt = len(prompt)
+            row.last_logits = logits[0, -1]
+            self.prefix_cache.store(prompt, row.cache, row.head_cache, pending_array(row.pend), row.pend_t,
+                                    row.last_logits)
+        return True
+
+    def _first_token(self, row: Row, events: List[Event]) -> bool:
+        """Sample and emit the first token; True if that already finished the request."""
+        row.stats.prefill_seconds = time.perf_counter() - row.t0
+        first = sample_first(row, row.last_logits[None])
+        row.y = first
+        if self.pieces.head is not None:
+            row.pend_t.append(first)
+        return bool(emit(row, [first], events))
+
+    def _start(self, row: Row) -> None:
+        """The row's own caches: from the longest stored prefix of its prompt, or empty."""
+        entry = self.prefix_cache.lookup(row.req.prompt) if self.prefix_cache.max_bytes > 0 else None
+        if entry is not None and (self.pieces.head is None) == (entry.head_cache is None):
+            row.cache = adapter.copy_cache(entry.cache)
+            row.head_cache = adapter.copy_cache(entry.head_cache) if entry.head_cache is not None else None
+            row.pend = [] if entry.pend_h is None else [(entry.pend_h, None, entry.pend_h.shape[0])]
+            row.pend_t = list(entry.pend_t)
+            row.done_prompt = len(entry.tokens)
+            row.last_logits = entry.last_logits
+            row.stats.cached_prompt_tokens = len(entry.tokens)
+        else:
+            row.cache = adapter.make_cache(self.pieces.parts, 1)
+            row.head_cache = adapter.make_head_cache(self.pieces.head, 1) if self.pieces.head is not None else None
+
+    def _forward(self, row: Row, tokens: List[int]) -> mx.array:
+        """Run prompt tokens through the main model (and the head) -> logits [1, T, V]."""
+        p = self.pieces
+        logits, hidden = adapter.forward(p.parts, mx.array(tokens)[None], row.cache, p.hidden_state)
+        if p.head is not None:
+            done = row.done_prompt
+            nh = pending_count(row.pend)
+            row.pend.append((hidden[0], None, len(tokens)))
+            # Pending hiddens cover positions [done - nh, done + len(tokens)); each pairs
+            # with the prompt token after it, where the prompt has one.
+            row.pend_t = row.req.prompt[done - nh + 1 : done + len(tokens) + 1]
+            n = len(row.pend_t)
+            if n:
+                _, rest = head_pass(p.head, p.vocab, row.head_cache, [row.pend], [row.pend_t], [n])
+                row.pend, row.pend_t = rest[0], []
+        mx.eval(logits, *adapter.cache_arrays(row.cache),
+                *(adapter.cache_arrays(row.head_cache) if row.head_cache else []), *[a for a, _, _ in row.pend])
+        return logits

@@ -1,0 +1,104 @@
+"""The engine's state: one request's `Row`, and the `Batch` of rows decoded together.
+
+A row waits in `BatchGenerator.waiting` from submission until its prompt is prefilled,
+in caches of its own (B=1). Then it joins the `Batch`: row b of every batched cache
+belongs to `Batch.rows[b]`. Rows join and leave only between decode cycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import mlx.core as mx
+
+from . import mlx_lm_adapter as adapter
+from .proposer import Segment
+from .request import Request, RequestStats
+from .sampling import RowSampler
+
+
+@dataclass
+class Row:
+    """One request inside the engine."""
+
+    req: Request
+    sampler: RowSampler  # its processors, filters and random key
+    stop_ids: set  # token ids that end it
+    tokens: List[int]  # prompt + generated: the processors' context
+    stats: RequestStats
+    detok: object  # the tokenizer's streaming detokenizer
+    y: int = -1  # last emitted token, not yet fed to the main model
+    generated: int = 0
+    text: str = ""
+    sent: int = 0  # characters of text already emitted
+    # Pending head inputs: main-model hidden states the head has not consumed yet, and the
+    # token after each (see proposer).
+    pend: List[Segment] = field(default_factory=list)
+    pend_t: List[int] = field(default_factory=list)
+    # Prefill-only state (B=1) until the row joins the batch.
+    cache: Optional[list] = None
+    head_cache: Optional[list] = None
+    done_prompt: int = 0  # prompt tokens already fed
+    t0: float = 0.0  # when its prefill started
+    last_logits: Optional[mx.array] = None  # [V] after the prompt's last token
+    first_lp: Optional[list] = None  # the first token's logprob table row (see verify.logprob_table)
+
+
+def new_row(req: Request, tokenizer) -> Row:
+    stop_ids = set(req.stop_token_ids if req.stop_token_ids is not None else tokenizer.eos_token_ids)
+    return Row(req=req, sampler=RowSampler(req.params), stop_ids=stop_ids, tokens=list(req.prompt),
+               stats=RequestStats(prompt_tokens=len(req.prompt)), detok=tokenizer.detokenizer)
+
+
+def prompt_left(row: Row) -> int:
+    """Prompt tokens not yet prefilled."""
+    return len(row.req.prompt) - row.done_prompt
+
+
+def acceptance_classes(rows: List[Row]) -> List[str]:
+    # Greedy rows keep a draft only if it is the argmax; sampled rows by rejection sampling,
+    # which keeps far more deep drafts: the depth policy learns the two apart.
+    return ["greedy" if r.sampler.params.greedy else "sampled" for r in rows]
+
+
+class Batch:
+    """The active rows, in batch order, and their batched caches (None while it is empty)."""
+
+    def __init__(self, shape_stable: bool):
+        self.rows: List[Row] = []
+        self.cache: Optional[list] = None
+        self.head_cache: Optional[list] = None
+        self.shape_stable = shape_stable
+
+    def join(self, row: Row) -> None:
+        """Append a prefilled row; its own caches become the batch's last row."""
+        if self.cache is None:
+            self.cache, self.head_cache = row.cache, row.head_cache
+            # Verify forwards (and every head forward) in the shape-stable mode: a new
+            # position or prompt length never makes a new shape; plain decoding (one token)
+            # keeps mlx-lm's own attention call.
+            if self.shape_stable:
+                adapter.fix_shapes(self.cache, 2)
+                if self.head_cache is not None:
+                    adapter.fix_shapes(self.head_cache, 1)
+        else:
+            adapter.extend_cache(self.cache, row.cache)
+            if self.head_cache is not None:
+                adapter.extend_cache(self.head_cache, row.head_cache)
+        row.cache = row.head_cache = None
+        self.rows.append(row)
+
+    def drop(self, gone: List[int]) -> Optional[List[int]]:
+        """Remove the rows at indices `gone`; -> the indices kept (None if nothing changed)."""
+        if not gone:
+            return None
+        keep = [i for i in range(len(self.rows)) if i not in set(gone)]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.head_cache = None
+            return keep
+        adapter.filter_cache(self.cache, keep)
+        if self.head_cache is not None:
+            adapter.filter_cache(self.head_cache, keep)
+        return keep

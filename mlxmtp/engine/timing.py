@@ -1,0 +1,58 @@
+"""What each decode cycle cost: told to the depth policy, and added to the rows' stats.
+
+A cycle's cost for the depth policy is the interval between two finishes of the same
+kind (synchronous, or pipelined plain decoding) at the same batch size: it includes all
+host work between cycles, alike for both kinds. A cycle after anything else is not
+timed: the first after a prefill, after an early read of a pipelined cycle (a drain),
+or after a switch of kind (when a k = 0 stretch ends the head catches up on its pending
+inputs; when drafting ends the first plain cycle is not overlapped). What that first
+drafting cycle after plain decoding costs is reported apart, as the price of a switch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+from .state import acceptance_classes
+
+
+class CycleClock:
+    def __init__(self):
+        self.last_finish = 0.0
+        # (kind, batch size) of the previous finish while the next finish can be timed as
+        # the interval between the two; None after anything that is not a decode cycle.
+        self.mode: Optional[tuple] = None
+        self.draft_time = 0.0  # drafting alone, measured when the engine profiles
+        # The cycle being launched is the first drafting one after plain decoding: the
+        # policy weighs what it costs beyond a steady cycle of its depth against what a
+        # probe can teach.
+        self.switched = False
+
+    def skip(self, seconds: float) -> None:
+        """Leave time the caller spent on other work out of the next cycle's cost."""
+        self.last_finish += seconds
+
+    def untimed(self) -> None:
+        """The next cycle follows something that is not a decode cycle: do not time it."""
+        self.mode = None
+
+    def finish(self, rec, policy, kept: List[int]) -> None:
+        """A cycle `rec` (cycle.Cycle) was read: report it to the policy, bill its rows."""
+        rows, B = rec.rows, len(rec.rows)
+        now = time.perf_counter()
+        dt = now - max(rec.t0, self.last_finish)
+        mode = ("sync" if rec.synchronous else "async", B)
+        interval = now - self.last_finish
+        policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
+                      switch_seconds=interval if self.switched else None)
+        self.switched = False
+        self.mode = mode
+        self.last_finish = now
+        device = (rec.computed - rec.built) if rec.computed else 0.0
+        for row in rows:
+            row.stats.decode_seconds += dt
+            row.stats.device_seconds += device
+            row.stats.overhead_seconds += dt - device - self.draft_time
+            row.stats.draft_seconds += self.draft_time
+        self.draft_time = 0.0

@@ -1,0 +1,178 @@
+"""Verification: which drafts each row keeps and which tokens it emits, for a batch that
+mixes greedy and sampled rows; and the per-row sampling that drafts and first tokens use.
+
+The verify forward gives the target's logits at every drafted position of every row
+([B, k+1, V]). A batch of greedy rows without logits processors is decided by one
+batched argmax (rejection_sampler.accept_greedy). Otherwise each row is decided on its
+own: its processors see its own context, and a sampled row keeps drafts by rejection
+sampling against the distribution q its drafts were drawn from (the `draft_picker`
+below draws them from the same processed distribution the verifier's p comes from).
+Everything stays lazy; the cycle evaluates it with the verify forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+
+from .failures import blame
+from .rejection_sampler import accept_greedy, accept_sampled, sample
+from .sampling import RowSampler
+from .state import Row
+
+
+@dataclass
+class VerifyMetadata:
+    """What the accept step needs about one cycle's batch, besides the target's logits.
+
+    In the manner of vLLM's SpecDecodeMetadata. B rows in batch order, k drafts per row
+    (the cycle's depth, the same for every row; 0 in plain decoding), V the vocabulary.
+    """
+
+    # [B, k] int32: the drafted tokens, row b's in drafts[b]; shape [B, 0] when k = 0.
+    drafts: mx.array
+    # B entries: the log-probabilities [k, V] a sampled row's drafts were drawn from (q,
+    # after the row's processors, filters and temperature); None for a greedy row or k = 0.
+    draft_logprobs: List[Optional[mx.array]]
+    # B entries: each row's processors, filters, temperature and random key (they make p).
+    samplers: List[RowSampler]
+    # B entries: each row's tokens so far (prompt + generated): what its logits processors
+    # see before the first verified position (the drafts are appended for later ones).
+    contexts: List[List[int]]
+    # B entries: the request a failure in a row's own code (processors, sampler) is blamed on.
+    request_ids: List[int]
+    # None: no row asked for logprobs. Else the widest top-n any row asked for: every row
+    # gets a table of that width (see logprob_table); each reads only its own top-n.
+    top_logprobs: Optional[int]
+    # The acceptance rule of sampled rows (rejection_sampler.accept_sampled).
+    rule: str = "exact"
+
+    @classmethod
+    def for_rows(cls, rows: List[Row], drafts: mx.array, draft_logprobs: List[Optional[mx.array]],
+                 rule: str) -> "VerifyMetadata":
+        want_lp = any(r.req.logprobs is not None for r in rows)
+        top_n = max((r.req.logprobs or 0) for r in rows)
+        return cls(drafts, draft_logprobs, [r.sampler for r in rows], [r.tokens for r in rows],
+                   [r.req.id for r in rows], top_n if want_lp else None, rule)
+
+    @property
+    def num_drafts(self) -> int:
+        return self.drafts.shape[1]
+
+    @property
+    def all_greedy(self) -> bool:
+        return _plain_greedy(self.samplers)
+
+
+def _plain_greedy(samplers: List[RowSampler]) -> bool:
+    """Every row greedy and without logits processors: one batched argmax decides them all."""
+    return all(s.params.greedy and not s.procs for s in samplers)
+
+
+def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+    """Target logits [B, k+1, V] -> (kept drafts [B], tokens [B, k+1] int32, logprob tables
+    [B, k+1, 1 + 2 * top_logprobs] or None). Row b emits tokens[b, : kept[b] + 1]."""
+    B, k = logits.shape[0], meta.num_drafts
+    if meta.all_greedy:
+        if k == 0:
+            tokens = mx.argmax(logits, axis=-1)
+            kept = mx.zeros((B,), dtype=mx.int32)
+        else:
+            kept, tokens = accept_greedy(logits, meta.drafts)
+        tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
+        return kept, tokens.astype(mx.int32), tables
+    kepts, toks, tables = [], [], []
+    for b in range(B):
+        with blame(meta.request_ids[b]):
+            kb, tb, lb = _accept_row(meta, b, logits[b])
+        kepts.append(kb)
+        toks.append(tb)
+        tables.append(lb)
+    kept = mx.stack(kepts).astype(mx.int32) if k else mx.zeros((B,), dtype=mx.int32)
+    return kept, mx.stack(toks).astype(mx.int32), mx.stack(tables) if meta.top_logprobs is not None else None
+
+
+def _accept_row(meta: VerifyMetadata, b: int, lg: mx.array):
+    """Row b of a mixed batch: logits [k+1, V] -> (kept, tokens [k+1], logprob table or None)."""
+    s, drafts, k = meta.samplers[b], meta.drafts[b], meta.num_drafts
+    kept = None
+    if s.procs:
+        base = mx.array(meta.contexts[b], dtype=mx.int32)
+        lg = s.process(lg, [mx.concatenate([base, drafts[:j]]) for j in range(k + 1)])
+    if k == 0:
+        tokens = mx.argmax(lg, axis=-1) if s.params.greedy else s.draw(lg)
+    elif s.params.greedy:
+        kept, tokens = accept_greedy(lg[None], drafts[None])
+        kept, tokens = kept[0], tokens[0]
+    else:
+        kept, tokens = accept_sampled(s.logprobs(lg), meta.draft_logprobs[b], drafts, s.next_key(),
+                                      rule=meta.rule)
+    tokens = tokens.astype(mx.int32)
+    top_n = meta.top_logprobs
+    table = logprob_table(lg[None], tokens[None], top_n)[0] if top_n is not None else None
+    return kept, tokens, table
+
+
+def draft_picker(rows: List[Row]):
+    """How the proposer decides each draft of `rows` (see proposer.draft): the argmax for
+    greedy rows, a sample from the row's processed distribution (and that q) for sampled ones."""
+    plain = _plain_greedy([r.sampler for r in rows])
+
+    def pick(step, logits, so_far):
+        if plain:
+            return mx.argmax(logits, axis=-1), [None] * len(rows)
+        toks, qs = [], []
+        for b, r in enumerate(rows):
+            with blame(r.req.id):
+                tok, q = _pick_row(r, logits[b : b + 1], so_far[b])
+            toks.append(tok)
+            qs.append(q)
+        return mx.stack(toks), qs
+
+    return pick
+
+
+def _pick_row(r: Row, logits: mx.array, so_far: mx.array):
+    """One draft of one row from the head's logits [1, V]: (token, q log-probs or None)."""
+    if r.sampler.procs:
+        ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32), so_far])
+        logits = r.sampler.process(logits, [ctx])
+    if r.sampler.params.greedy:
+        return mx.argmax(logits, axis=-1)[0], None
+    lp = r.sampler.logprobs(logits)
+    return sample(lp, r.sampler.next_key())[0], lp[0]
+
+
+def sample_first(row: Row, logits: mx.array) -> int:
+    """A row's first token, from the prompt's last logits [1, V] (as in plain decoding);
+    keeps its logprob table in row.first_lp when the request asked for logprobs."""
+    lg = logits
+    if row.sampler.procs:
+        lg = row.sampler.process(lg, [mx.array(row.tokens, dtype=mx.int32)])
+    if row.sampler.params.greedy:
+        tok = mx.argmax(lg, axis=-1)
+    else:
+        tok = row.sampler.draw(lg)
+    if row.req.logprobs is not None:
+        row.first_lp = logprob_table(lg, tok, row.req.logprobs)[0].tolist()
+    return int(tok.item())
+
+
+def logprob_table(logits: mx.array, tokens: mx.array, top_n: int) -> mx.array:
+    """logits [..., V], chosen tokens [...] -> [..., 1 + 2 * top_n] float32: the chosen
+    token's log-probability, then the ids of the top_n most likely tokens (most likely
+    first; float32 holds ids below 2**24 exactly), then their log-probabilities.
+
+    One array, so a cycle's tables are selected, evaluated and read with its tokens
+    (output.logprob_entry reads one row back)."""
+    lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
+    chosen = mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)
+    if not top_n:
+        return chosen
+    top = mx.argpartition(-lp, top_n - 1, axis=-1)[..., :top_n]
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-top_lp, axis=-1)
+    top, top_lp = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(top_lp, order, axis=-1)
+    return mx.concatenate([chosen, top.astype(mx.float32), top_lp], axis=-1)
