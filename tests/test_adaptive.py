@@ -280,6 +280,7 @@ def test_engine_times_cycles_only_between_two_of_the_same_kind(fixture_model):
     assert [s is not None for _, s in calls[:10]] == [False, True, True, False, False, True, True, False, True, True]
 
 
+@pytest.mark.slow
 def test_time_spent_elsewhere_between_steps_is_left_out_when_the_caller_says_so(fixture_model):
     # bench/decode.py runs mlx-lm in turns with the engine; those turns must not be billed
     # to the engine's next cycle (the depth policy would learn a nonsense cost).

@@ -31,6 +31,7 @@ def run_schedule(eng, schedule, hook_expected=None, cancel_at=None):
     return outs, reasons
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("n,mtp", [(1, True), (4, True), (16, True), (16, False)])
 def test_concurrent_requests_equal_solo(fixture_model, family, n, mtp):

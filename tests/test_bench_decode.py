@@ -53,6 +53,7 @@ def test_interleaved_times_each_side_on_its_own_turns(decode):
     assert clock.skipped >= slow["seconds"] and clock.skipped == pytest.approx(slow["seconds"] + 0.004, abs=0.01)
 
 
+@pytest.mark.slow
 def test_benchmark_runs_end_to_end_on_the_demo_model(decode, capsys):
     path = str(decode.demo_model_path())
     decode.bench_model("demo", path, temps=[0.0], depths=[1], rounds=1, max_tokens=12, markdown=True)

@@ -73,6 +73,7 @@ def test_held_out_prompts_are_held_out():
     assert "fnmatch.py" in held and "csv.py" in held
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", [HELD_OUT_FNMATCH, HELD_OUT_CSV], ids=["fnmatch", "csv"])
 def test_greedy_mtp_equals_greedy_without_mtp(demo_model, prompt):
     from mlxmtp.engine.generate import generate
@@ -84,6 +85,7 @@ def test_greedy_mtp_equals_greedy_without_mtp(demo_model, prompt):
     assert on.token_ids == off.token_ids
 
 
+@pytest.mark.slow
 def test_depth1_greedy_acceptance_on_held_out_code(demo_model):
     """Mean depth-1 acceptance over every held-out prompt (not a hand-picked one) >= 60%."""
     from mlxmtp.engine.generate import generate

@@ -12,6 +12,7 @@ from mlxmtp.testing.fixtures import FAMILIES
 DEPTHS = [0, 1, 2, 3, 4, None]  # 0 = MTP off, None = adaptive
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_identity_every_depth(fixture_model, family):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
@@ -23,6 +24,7 @@ def test_greedy_identity_every_depth(fixture_model, family):
             assert got == want, f"{family} prompt={plen} k={k}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_6_moe"])
 def test_greedy_identity_long_prompt_chunked(fixture_model, family):
     """600-token prompt, prefilled in chunks of 256 (head inputs paired across chunks)."""

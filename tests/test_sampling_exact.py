@@ -141,6 +141,7 @@ def _chi2_by_position(a, b):
     return [chi2_two_sample([o[pos] for o in a], [o[pos] for o in b]) for pos in (1, 2)]
 
 
+@pytest.mark.slow
 def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples):
     model, tok = tiny_vocab_model
     mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=N, params=PARAMS, seed0=N)
@@ -148,6 +149,7 @@ def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples)
         assert stat < chi2_quantile(dof), (stat, dof)
 
 
+@pytest.mark.slow
 def test_engine_catches_biased_acceptance_rule(tiny_vocab_model, plain_samples):
     model, tok = tiny_vocab_model
     biased = _sample_tokens(model, tok, enable_mtp=True, rule="argmax", n=N, params=PARAMS, seed0=2 * N)
@@ -155,6 +157,7 @@ def test_engine_catches_biased_acceptance_rule(tiny_vocab_model, plain_samples):
     assert any(stat > chi2_quantile(dof) for stat, dof in stats), stats
 
 
+@pytest.mark.slow
 def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model):
     """top-k / top-p / repetition penalty are applied to p and q alike."""
     model, tok = tiny_vocab_model

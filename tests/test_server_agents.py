@@ -193,6 +193,7 @@ def check_responses_stream(events) -> dict:
 
 
 # ------------------------------------------------------------------ Claude Code
+@pytest.mark.slow
 @pytest.mark.parametrize("history", [False, True])
 def test_claude_code_like_stream(servers, history):
     big, _ = servers

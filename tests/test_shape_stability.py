@@ -104,6 +104,7 @@ def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k):
     assert got == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
