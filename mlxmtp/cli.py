@@ -19,11 +19,12 @@ def main():
 def _register():
     from .bench_cli import bench
     from .convert.cli import add_mtp_weights
+    from .convert.draft_vocab_cli import draft_vocab
     from .engine.cli import generate
     from .models.cli import inspect
     from .server.cli import serve
 
-    for cmd in (serve, generate, bench, inspect, add_mtp_weights):
+    for cmd in (serve, generate, bench, inspect, add_mtp_weights, draft_vocab):
         main.add_command(cmd)
 
 

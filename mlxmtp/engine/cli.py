@@ -24,11 +24,16 @@ from .limits import MAX_DRAFT_DEPTH
 @click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
               help="Pin the draft depth (default: adaptive).")
 @click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
+@click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Draft from the N most frequent tokens only (list made by `mlxmtp draft-vocab`; "
+                   "vocabularies over 64K; 0 = the full vocabulary).")
+@click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
+              help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
-             mtp_fallback, no_chat_template, profile, as_json):
+             mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None):
     """Generate a completion for PROMPT."""
     from ..models.load import MTPLoadError, load
     from .generate import generate as run
@@ -37,7 +42,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
-        m, tok = load(model, mtp=enable_mtp, mtp_fallback=mtp_fallback)
+        m, tok = load(model, mtp=enable_mtp, mtp_fallback=mtp_fallback, draft_vocab=draft_vocab,
+                      draft_vocab_file=draft_vocab_file)
     except MTPLoadError as e:
         raise click.ClickException(str(e)) from e
     if no_chat_template or tok.chat_template is None:

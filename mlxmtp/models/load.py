@@ -19,7 +19,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..convert import hf_head, mtp_folder
-from .draft_vocab import DraftVocab
+from ..convert.token_list import DraftVocabError
+from .draft_vocab import DraftVocab, draft_token_ids
 from .family import TextParts, family_of, text_config, text_parts
 from .mtp_head import MTPHead
 
@@ -192,7 +193,8 @@ def check_norm_convention(parts: TextParts, head: MTPHead) -> None:
 
 
 def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_norm",
-               required: bool = True, model_name: str = "") -> MTPAttachment:
+               required: bool = True, model_name: str = "", draft_vocab: int = 0,
+               draft_vocab_file: Optional[Path] = None) -> MTPAttachment:
     if hidden_state not in HIDDEN_STATES:
         raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
     parts = text_parts(model)
@@ -210,19 +212,36 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         weights, info, quantization = head_weights(source)
         head = build_head(parts, weights, info, quantization)
         check_norm_convention(parts, head)
-        attachment = MTPAttachment(parts, head, source, info, hidden_state,
-                                   vocab=DraftVocab(parts, compute_dtype=head.fc.weight.dtype if not quantization else None))
+        vocab = _draft_vocab(parts, model_dir, draft_vocab, draft_vocab_file,
+                             compute_dtype=head.fc.weight.dtype if not quantization else None)
+        attachment = MTPAttachment(parts, head, source, info, hidden_state, vocab=vocab)
     # A plain attribute, not a child module: model.parameters() stays exactly stock mlx-lm's.
     object.__setattr__(model, "mtp", attachment)
     return attachment
 
 
+def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Path], compute_dtype) -> DraftVocab:
+    """The drafter's vocabulary, trimmed to the token list when one is asked for (size > 0);
+    an unusable list is an MTPLoadError (the CLIs turn it into a clean error)."""
+    try:
+        ids = draft_token_ids(parts, model_dir, size, path) if size else None
+        vocab = DraftVocab(parts, compute_dtype=compute_dtype, token_ids=ids)
+    except DraftVocabError as e:
+        raise MTPLoadError(str(e)) from e
+    if ids is not None:
+        log.info("draft vocabulary: the MTP head drafts from %d of %d tokens", len(ids), vocab.full_size)
+    return vocab
+
+
 def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
-         hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False):
+         hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False,
+         draft_vocab: int = 0, draft_vocab_file=None):
     """Load model and tokenizer with mlx-lm, then attach the MTP head as `model.mtp`.
 
     mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
     unless mtp_fallback, in which case the model loads without MTP and the reason is logged.
+    draft_vocab=N (> 0): the head drafts only from the first N tokens of the model's token
+    list (`mtp/draft_vocab.json`, or `draft_vocab_file`); vocabularies over 64K only.
     """
     import mlx_lm
 
@@ -235,7 +254,8 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
         attachment = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,
-                                model_name=str(path_or_hf_id))
+                                model_name=str(path_or_hf_id), draft_vocab=draft_vocab,
+                                draft_vocab_file=draft_vocab_file)
         if not attachment.active:
             log.warning("MTP disabled: %s", attachment.disabled_reason)
     else:
@@ -243,6 +263,8 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
             model, "mtp",
             MTPAttachment(text_parts(model), None, None, {}, hidden_state, disabled_reason="MTP not requested"),
         )
+    if draft_vocab and not model.mtp.active:
+        log.warning("draft vocabulary of %d tokens ignored: MTP is off", draft_vocab)
     return model, tokenizer
 
 

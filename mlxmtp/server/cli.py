@@ -22,6 +22,11 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
               help="Pin the draft depth (default: adaptive).")
 @click.option("--mtp-fallback", is_flag=True, help="With --enable-mtp: serve without MTP if the model has no head.")
+@click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Draft from the N most frequent tokens only (list made by `mlxmtp draft-vocab`; "
+                   "vocabularies over 64K; 0 = the full vocabulary).")
+@click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
+              help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--max-concurrent", default=8, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together; more wait in the queue.")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
@@ -47,7 +52,8 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
-          max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level):
+          max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
+          draft_vocab=0, draft_vocab_file=None):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
     _check_api_key(api_key)  # before the (slow) model load
     from ..models.load import MTPLoadError, load
@@ -57,7 +63,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     # Without an explicit --enable-mtp a headless model simply runs without MTP.
     fallback = mtp_fallback or enable_mtp is None
     try:
-        m, tok = load(model, mtp=want_mtp, mtp_fallback=fallback)
+        m, tok = load(model, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
+                      draft_vocab_file=draft_vocab_file)
     except MTPLoadError as e:
         raise click.ClickException(str(e)) from e
     name = model or "mlxmtp-demo"

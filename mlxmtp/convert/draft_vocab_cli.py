@@ -1,0 +1,54 @@
+"""`mlxmtp draft-vocab`: write the token list a trimmed draft vocabulary drafts from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+TOKENIZER_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
+
+
+def _tokenizer_and_config(model: str):
+    """(model folder, mlx-lm tokenizer with the model's EOS ids, config); a Hugging Face
+    repo id downloads the tokenizer and configs only."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model, allow_patterns=TOKENIZER_FILES))
+    config = load_config(path)  # merges generation_config's eos_token_id, as mlx_lm.load does
+    return path, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")), config
+
+
+@click.command("draft-vocab")
+@click.option("--model", required=True, help="Model folder (or Hugging Face repo id, with --out).")
+@click.option("--corpus", "corpus", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="UTF-8 text file to count tokens in (repeatable; more files may follow as arguments).")
+@click.argument("more", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--size", required=True, type=click.IntRange(min=1), help="Tokens in the list (e.g. 32768).")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Where to write the list (default: MODEL/mtp/draft_vocab.json).")
+def draft_vocab(model, corpus, more, size, out):
+    """Write the special tokens and the corpus's most frequent tokens as the MTP head's draft
+    vocabulary (used with --draft-vocab N on serve / generate; N up to --size)."""
+    from ..models.family import text_config
+    from . import token_list
+
+    files = [Path(f) for f in (*corpus, *more)]
+    if not files:
+        raise click.UsageError("give at least one --corpus file")
+    path, tok, config = _tokenizer_and_config(model)
+    if out is None:
+        out = token_list.default_path(path)
+        if out is None:
+            raise click.UsageError(f"{path} has no mtp/ folder to put the list in: give --out PATH")
+    try:
+        ids, meta = token_list.make_token_list(tok, files, size, text_config(config)["vocab_size"])
+        token_list.write_token_list(Path(out), ids, meta)
+    except (token_list.DraftVocabError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {out}: {len(ids)} tokens ({meta['num_special']} special) from "
+               f"{meta['corpus_tokens']} corpus tokens in {len(files)} file(s)")
