@@ -68,9 +68,17 @@ class GracefulServer(uvicorn.Server):
 
 
 def run_server(app, *, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
-    """Serve `app` (from create_app) until a signal; returns after a clean, bounded shutdown."""
+    """Serve `app` (from create_app) until a signal, then exit 0 after a clean, bounded
+    shutdown (the streams are ended and the engine thread is stopped by then)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
     server = GracefulServer(config, app.state.server.bridge, shutdown_timeout)
     server.run()
     if not server.started:  # as uvicorn.run: could not bind, or the app's startup failed
         sys.exit(STARTUP_FAILURE)
+    # Exit without the interpreter's teardown: MLX's native threads and static objects
+    # are destroyed then, and an engine thread still inside an MLX call at that moment
+    # aborts the process ("terminate called without an active exception", exit -6).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
