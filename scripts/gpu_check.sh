@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared run on a lent NVIDIA machine (MLX's CUDA backend stands in
 # for an Apple GPU): install mlx-cuda from the parts made as ../shared/docs/gpu-notes.md says,
-# then run the exactness tests that matter on a GPU and the decode benchmark, writing
-# everything under $OUT (or ./gpu-out).
+# then run the chosen checks, each under its own time limit, writing everything under $OUT
+# (or ./gpu-out).
 #
-#   bash scripts/gpu_check.sh stage1          # first transfer: keeps .gpu/partaa on the machine
-#   bash scripts/gpu_check.sh stage2 [quick]  # second transfer: unpack, test, benchmark
+#   bash scripts/gpu_check.sh stage1                  # first transfer: keeps .gpu/partaa there
+#   bash scripts/gpu_check.sh stage2 profile decode tests vocab   # second transfer: unpack, run
+#
+# Checks: profile (bench/cycle_profile.py), greedy (bench/decode.py at temperature 0),
+# decode (temperatures 0 and 0.6), tests (the exactness tests), vocab (bench/draft_vocab.py).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
+ROUNDS=${ROUNDS:-3}
 mkdir -p "$OUT"
 
 if [ "${1:-}" = stage1 ]; then
     mkdir -p /root/persist && cp .gpu/partaa /root/persist/ && echo "part 1 kept"
     exit 0
 fi
+shift
 
 mkdir -p /tmp/site
 cat /root/persist/partaa .gpu/partab | python3 -c \
@@ -25,12 +30,18 @@ LD_LIBRARY_PATH=$(ls -d "$NV"/*/lib | tr '\n' ':')
 export LD_LIBRARY_PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import mlx.core as mx; print(mx.default_device())" | tee "$OUT/device.txt"
 
-# float32 fixtures need TF32 off to be token-identical between 1- and multi-token forwards.
-MLX_ENABLE_TF32=0 python3 -m pytest -q -x tests/test_shape_stability.py tests/test_engine_exact.py \
-    tests/test_engine_rollback.py tests/test_isolation.py 2>&1 | tee "$OUT/tests.txt"
-
-ROUNDS=4
-[ "${2:-}" = quick ] && ROUNDS=2
-python3 bench/decode.py --models demo --temps 0,0.6 --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode.md"
-[ -f bench/draft_vocab.py ] && python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md"
+for check in "$@"; do
+    case $check in
+        profile) timeout 100 python3 bench/cycle_profile.py 2>&1 | tee "$OUT/profile.md" ;;
+        greedy) timeout 150 python3 bench/decode.py --models demo --temps 0 --rounds "$ROUNDS" --markdown 2>&1 \
+                    | tee "$OUT/decode_greedy.md" ;;
+        decode) timeout 300 python3 bench/decode.py --models demo --temps 0,0.6 --rounds "$ROUNDS" --markdown 2>&1 \
+                    | tee "$OUT/decode.md" ;;
+        # float32 fixtures need TF32 off to be token-identical between 1- and multi-token forwards.
+        tests) MLX_ENABLE_TF32=0 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_shape_stability.py \
+                   tests/test_engine_exact.py tests/test_engine_rollback.py tests/test_isolation.py 2>&1 | tee "$OUT/tests.txt" ;;
+        vocab) timeout 60 python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md" ;;
+        *) echo "unknown check: $check" ;;
+    esac
+done
 echo done

@@ -4,6 +4,7 @@ backend that plans or compiles kernels per shape then compiles nothing new), and
 verify reaches mlx-lm's own Gated DeltaNet dispatch."""
 
 import inspect
+import random
 
 import mlx.core as mx
 import pytest
@@ -136,3 +137,51 @@ def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):
     assert 4 in calls  # the verify's k+1 positions went through mlx-lm's dispatch
     # The capture never runs a recurrence step of its own: the fused kernel stays on the path.
     assert "_gated_delta_step_ops" not in inspect.getsource(gdn_capture)
+
+
+class ScriptedPolicy:
+    """A depth policy that plays a fixed script of depths (0 = plain decoding), cyclically:
+    stretches of plain decoding of chosen lengths between drafting cycles."""
+
+    max_depth = 4
+    why = "scripted"
+
+    def __init__(self, script, plain):
+        self.script, self.i, self.plain = script, 0, plain
+
+    def choose(self, batch_size, limit=None, classes=None):
+        k = self.script[self.i % len(self.script)]
+        self.i += 1
+        return min(k, limit) if limit is not None else k
+
+    def update(self, *args, **kwargs):
+        pass
+
+    def plain_regime(self):
+        return self.plain
+
+
+def switching_script(stretches, k=2):
+    out = []
+    for s in stretches:
+        out += [0] * s + [k] * 2
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plain", [True, False])
+def test_no_new_shapes_after_warm_up_when_switching(fixture_model, monkeypatch, plain):
+    """Switches between plain decoding and drafting: the head's catch-up over the inputs of
+    a plain stretch of any length takes one of a few padded shapes (query_bucket)."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, shape_stable=True)
+    rec = ShapeRecorder(monkeypatch, eng)
+    for n in (5, 260):  # every stretch length bucket, in each capacity bucket used below
+        eng.policy = ScriptedPolicy(switching_script([1, 2, 3, 5, 9, 17, 33, 70]), plain)
+        run(eng, prompt_of(n, seed=n), 190, ref)
+    seen = set(rec.shapes)
+    rng = random.Random(3)
+    for n in (11, 77, 270, 301):
+        eng.policy = ScriptedPolicy(switching_script(rng.sample(range(1, 71), 5)), plain)
+        run(eng, prompt_of(n, seed=n), 150, ref)
+        assert rec.shapes == seen, (n, rec.shapes - seen)

@@ -54,10 +54,12 @@ def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]
         return None
     arr = pend[0][0][0]
     B = len(pend)
-    if arr.ndim != 3 or arr.shape[0] != B or arr.shape[1] < P:
+    if arr.ndim != 3 or arr.shape[0] != B:
         return None
     if any(segs[0][0] is not arr or segs[0][1] != b for b, segs in enumerate(pend)):
         return None
+    if arr.shape[1] < P:  # padded to a shape bucket (see head_pass)
+        return mx.concatenate([arr, mx.zeros((B, P - arr.shape[1], arr.shape[2]), arr.dtype)], axis=1)
     return arr[:, :P]
 
 
@@ -66,10 +68,12 @@ def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequ
     """Consume the first counts[b] pending pairs of every row.
 
     Returns (h' [B, P, H], what is left pending per row). Rows are right-padded to
-    P = max(counts); the padding lands after each row's real entries (the causal mask
-    hides it) and is trimmed from the head cache right after.
+    P = max(counts), or to the head cache's shape bucket for that many tokens in its
+    shape-stable mode (so a catch-up after a plain-decoding stretch of any length reuses
+    one of a few shapes); the padding lands after each row's real entries (the causal
+    mask hides it) and is trimmed from the head cache right after.
     """
-    P = max(counts)
+    P = head_cache[0].query_bucket(max(counts)) if head_cache else max(counts)
     H = vocab.args.hidden_size
     toks = [list(t[:n]) + [0] * (P - n) for t, n in zip(pend_t, counts)]
     hid = _batch_view(pend, P)
