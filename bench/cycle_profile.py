@@ -111,7 +111,6 @@ def new_lengths(model, tok, k, lengths, max_tokens):
 
 
 def mlx_lm_speed(ref, tok, prompt, max_tokens):
-    t = time.perf_counter()
     n, first = 0, None
     for _ in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.0)):
         n += 1
