@@ -7,6 +7,7 @@ import time
 import pytest
 
 from mlxmtp.engine.adaptive import DepthPolicy
+from mlxmtp.engine.policy import Policy
 
 
 def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None,
@@ -242,7 +243,7 @@ def test_fixed_depth_is_never_changed():
     assert pol.choose(1, limit=1) == 1
 
 
-class _Scripted:
+class _Scripted(Policy):
     """Stands in for the depth policy: fixed depths, and records what the engine reports."""
 
     def __init__(self, depths):

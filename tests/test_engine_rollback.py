@@ -117,9 +117,10 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
 
     from mlxmtp.engine.batch import BatchGenerator
     from mlxmtp.engine.head_inputs import FORGET_AFTER
+    from mlxmtp.engine.policy import Policy
     from mlxmtp.engine.request import Request
 
-    class Plain80ThenDraft:
+    class Plain80ThenDraft(Policy):
         regime = 0
 
         def __init__(self):

@@ -12,6 +12,7 @@ from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 from mlx_lm.models import gated_delta
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.policy import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.models import gdn_capture
 
@@ -139,7 +140,7 @@ def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):
     assert "_gated_delta_step_ops" not in inspect.getsource(gdn_capture)
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(Policy):
     """A depth policy that plays a fixed script of depths (0 = plain decoding), cyclically:
     stretches of plain decoding of chosen lengths between drafting cycles."""
 

@@ -44,6 +44,7 @@ from typing import Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from .cycle_costs import CycleCosts
 from .limits import MAX_DRAFT_DEPTH
+from .policy import Policy
 
 
 def _bucket(batch_size: int) -> int:
@@ -69,6 +70,7 @@ class PolicyConfig:
     prior_weight: float = 2.0  # pseudo-counts of that prior
     depth_weight: float = 10.0  # pseudo-counts shrinking a depth's acceptance to its class's
     decay: float = 0.998  # per-cycle forgetting of acceptance counts
+    calibrate: bool = True  # measure cycle costs before the first cycle of a batch bucket
 
 
 # Why a cycle got its depth (DepthPolicy.why, the engine's stats and /metrics).
@@ -76,7 +78,7 @@ FIXED, NO_ROOM, CALIBRATING, PROBE, BEST, HOLDING = (
     "fixed", "no room to draft", "calibrating", "probe", "best expected rate", "holding (switch not worth it)")
 
 
-class DepthPolicy:
+class DepthPolicy(Policy):
     def __init__(self, max_depth: int = MAX_DRAFT_DEPTH, fixed: Optional[int] = None,
                  config: Optional[PolicyConfig] = None):
         self.max_depth = max_depth if fixed is None else fixed
@@ -98,6 +100,22 @@ class DepthPolicy:
         # plain cycles, per batch-size bucket (samples: see update()).
         self.switch_costs: Dict[int, Deque[float]] = {}
         self._switch: Optional[Tuple[int, int, float]] = None  # (depth, bucket, seconds) of a switch cycle
+        self._seeded: set = set()  # batch buckets whose costs were calibrated (seed_costs)
+
+    def needs_costs(self, batch_size: int) -> bool:
+        """Whether the engine should calibrate cycle costs (engine/calibration.py) before
+        this cycle: an adaptive policy, and a batch bucket with no cost measured yet."""
+        bucket = _bucket(batch_size)
+        return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
+                and bucket not in self._seeded and not self._calibrated(bucket, 0))
+
+    def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
+        """Calibrated seconds per cycle of each depth at this batch size, as prior samples
+        (`min_samples` each: the depths count as measured at once, and the policy skips its
+        calibration blocks); the cycles timed from now on join and outweigh them."""
+        bucket = _bucket(batch_size)
+        self._costs(bucket).seed(seconds, self.cfg.min_samples)
+        self._seeded.add(bucket)
 
     def _counts(self, key):
         if key not in self.kept:

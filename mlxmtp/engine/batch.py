@@ -26,7 +26,7 @@ from typing import List, Optional, Set
 
 import mlx.core as mx
 
-from . import cycle, head_inputs, scheduler
+from . import calibration, cycle, head_inputs, scheduler
 from . import mlx_lm_adapter as adapter
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
@@ -158,6 +158,10 @@ class BatchGenerator:
 
     # ---------------------------------------------------------------- decode
     def _decode_cycle(self, events: List[Event]) -> None:
+        if self.pieces.head is not None and self.policy.needs_costs(len(self.rows)):
+            self.policy.seed_costs(len(self.rows), calibration.measure_cycle_costs(
+                self.pieces, len(self.rows), self.policy.max_depth, self.shape_stable))
+            self.clock.untimed()
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1

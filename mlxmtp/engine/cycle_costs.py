@@ -41,6 +41,16 @@ class CycleCosts:
         self._last = (k, log_s, cycle)
         self.measured_at[k] = cycle
 
+    def seed(self, seconds: Dict[int, float], weight: int) -> None:
+        """Prior samples: `weight` copies of each drafting depth's ratio to plain decoding
+        from measured `seconds` per cycle (engine/calibration.py). Timed cycles join them
+        in the same windows and outnumber them as they come."""
+        for k, c in seconds.items():
+            if k > 0 and seconds.get(0):
+                self.pairs.setdefault((0, k), deque(maxlen=self.window)).extend(
+                    [math.log(c / seconds[0])] * weight)
+        self._solved = None
+
     def samples(self, k: int) -> int:
         """How many neighbour ratios involve depth k."""
         return sum(len(w) for pair, w in self.pairs.items() if k in pair)

@@ -1,0 +1,94 @@
+"""A short measurement of what decode cycles of each depth cost, before the depth policy
+first needs them for a batch size.
+
+Without it the policy learns its costs from live cycles alone: blocks of plain decoding
+and k = 1 at the start, then probes of every other depth, each switch paid by real
+requests. Here, on scratch caches (the engine's own state is never touched), the engine's
+own calls are timed at a batch of `batch_size` rows:
+- plain decoding as the engine runs it, pipelined (each forward queued before the
+  previous token is read);
+- for k = 1..max_depth, a drafting cycle as the engine runs it, synchronous: the head
+  chaining k drafts, then a verify forward of k+1 tokens with the Gated DeltaNet capture
+  on, and the accept step's argmax.
+The policy takes these as prior samples of its cost ratios; the cycles it times itself
+replace them as they come (see DepthPolicy.seed_costs). On a GPU this takes a fraction
+of a second and compiles the kernels of these shapes on the way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict
+
+import mlx.core as mx
+
+from ..models import gdn_capture
+from . import mlx_lm_adapter as adapter
+from .pieces import ModelPieces
+
+CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
+REPS = 3  # timed repetitions of each measurement, after one untimed warm-up
+
+
+def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int,
+                        shape_stable: bool) -> Dict[int, float]:
+    """Seconds per decode cycle of depth k = 0..max_depth at `batch_size` rows."""
+    cache = adapter.make_cache(pieces.parts, batch_size)
+    head_cache = adapter.make_head_cache(pieces.head, batch_size)
+    _, hidden = adapter.forward(pieces.parts, mx.zeros((batch_size, CONTEXT), mx.int32), cache,
+                                pieces.hidden_state)
+    pieces.head(pieces.vocab.embed_tokens(mx.zeros((batch_size, CONTEXT), mx.int32)), hidden, head_cache)
+    mx.eval(*adapter.cache_arrays(cache), *adapter.cache_arrays(head_cache))
+    if shape_stable:
+        adapter.fix_shapes(cache, 2)
+        adapter.fix_shapes(head_cache, 1)
+    g = hidden[:, -1:]
+    costs = {0: _median(lambda: _plain_steps(pieces, cache, batch_size, 4)) / 4}
+    for k in range(1, max_depth + 1):
+        costs[k] = _median(lambda depth=k: _drafting_cycle(pieces, cache, head_cache, g, depth))
+    return costs
+
+
+def _median(run) -> float:
+    run()  # warm-up: compiles, and waits out work already queued on the device
+    times = []
+    for _ in range(REPS):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _plain_steps(pieces: ModelPieces, cache: list, batch_size: int, n: int) -> None:
+    y = mx.zeros((batch_size, 1), mx.int32)
+    for _ in range(n):
+        logits, _ = adapter.forward(pieces.parts, y, cache, pieces.hidden_state)
+        y = mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32)
+        mx.async_eval(y)
+    mx.eval(y, *adapter.cache_arrays(cache))
+    _trim(cache, n)
+
+
+def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int) -> None:
+    B = g.shape[0]
+    drafts = []
+    tok = mx.zeros((B, 1), mx.int32)
+    for _ in range(k):
+        g = pieces.head(pieces.vocab.embed_tokens(tok), g, head_cache)
+        tok = mx.argmax(pieces.vocab.lm_head(g), axis=-1).astype(mx.int32)
+        drafts.append(tok)
+    mx.async_eval(*drafts)
+    inputs = mx.concatenate([mx.zeros((B, 1), mx.int32), *drafts], axis=1)
+    with gdn_capture.record():
+        logits, _ = adapter.forward(pieces.parts, inputs, cache, pieces.hidden_state)
+    mx.eval(mx.argmax(logits, axis=-1), *adapter.cache_arrays(cache))
+    _trim(cache, k + 1)
+    _trim(head_cache, k)
+
+
+def _trim(cache: list, n: int) -> None:
+    """Attention caches back to where they were (the Gated DeltaNet state just moves on:
+    its cost does not depend on its values)."""
+    for c in adapter.attention_caches(cache):
+        c.trim_rows([n] * len(c.lengths))

@@ -1,0 +1,39 @@
+"""The interface between the engine and a draft-depth policy.
+
+The engine asks `choose` for each cycle's depth (0 = plain decoding), reports every cycle
+through `update`, and, when `needs_costs` says so, calibrates cycle costs for a batch
+size and hands them to `seed_costs` (engine/calibration.py). `adaptive.DepthPolicy` is
+the policy the engine uses; tests script others on this base.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Sequence
+
+
+class Policy:
+    max_depth: int = 0  # the deepest cycle the policy may choose (and a request may pin)
+    why: str = ""  # why the last choice was made (request stats, /metrics)
+
+    def choose(self, batch_size: int, limit: Optional[int] = None,
+               classes: Optional[Sequence[Hashable]] = None) -> int:
+        """The next cycle's depth for `batch_size` rows; `limit`: the most drafts worth
+        making (room left to the row with the most); `classes`: each row's acceptance class."""
+        raise NotImplementedError
+
+    def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
+               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
+        """One cycle was read: its depth, its wall time (None: not timed), the drafts each
+        row kept, and for the first drafting cycle after plain decoding, its wall time."""
+
+    def plain_regime(self) -> bool:
+        """Whether plain decoding is the depth in use outside probes (the engine then keeps
+        the head's pending inputs bounded instead of feeding them to the head)."""
+        return False
+
+    def needs_costs(self, batch_size: int) -> bool:
+        """Whether the engine should calibrate cycle costs at this batch size now."""
+        return False
+
+    def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
+        """Calibrated seconds per cycle of each depth at this batch size."""

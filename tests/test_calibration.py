@@ -1,0 +1,70 @@
+"""Start-up calibration of cycle costs (engine/calibration.py): the adaptive policy knows
+every depth's cost before its first cycle at a batch size, skips its calibration blocks,
+and the cycles it times itself still take over."""
+
+import pytest
+from engine_helpers import loaded, prompt_of, reference_greedy
+
+from mlxmtp.engine import adaptive, calibration
+from mlxmtp.engine.adaptive import DepthPolicy
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.cycle_costs import CycleCosts
+from mlxmtp.engine.generate import generate
+from mlxmtp.engine.pieces import model_pieces
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_measured_costs_cover_every_depth(fixture_model, batch_size):
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    BatchGenerator(model, tok)  # prepares the model (Gated DeltaNet capture)
+    costs = calibration.measure_cycle_costs(model_pieces(model, True), batch_size, 4, shape_stable=True)
+    assert sorted(costs) == [0, 1, 2, 3, 4]
+    assert all(c > 0 for c in costs.values())
+
+
+def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypatch):
+    model, tok, ref = loaded(str(fixture_model("qwen3_next")["hf"]))
+    calls = []
+    measure = calibration.measure_cycle_costs
+
+    def spy(pieces, batch_size, *args):
+        calls.append(batch_size)
+        return measure(pieces, batch_size, *args)
+
+    monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
+    prompt = prompt_of(30, seed=4)
+    for _ in range(2):  # the policy (and what it measured) is shared by the model's engines
+        res = generate(model, tok, prompt, max_tokens=40)
+        assert res.token_ids == reference_greedy(ref, prompt, 40)
+        assert adaptive.CALIBRATING not in res.stats.depth_reasons
+    assert calls == [1]
+    policy = next(iter(model.mtp.policies.values()))
+    assert all(c is not None for c in policy.costs[1].costs(range(5)).values())
+
+
+def test_pinned_depths_do_not_calibrate(fixture_model, monkeypatch):
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    monkeypatch.setattr(calibration, "measure_cycle_costs", lambda *a: pytest.fail("calibrated"))
+    generate(model, tok, prompt_of(10), max_tokens=10, num_draft=2)
+
+
+def test_timed_cycles_outweigh_the_seed():
+    table = CycleCosts(window=15)
+    table.seed({0: 1.0, 1: 1.2, 2: 1.4}, weight=3)
+    assert table.costs([0, 1, 2])[1] == pytest.approx(1.2)
+    for n in range(8):  # live pairs of plain and k = 1 cycles: k = 1 really costs 2x
+        table.add(0, 1.0, 2 * n)
+        table.add(1, 2.0, 2 * n + 1)
+    assert table.costs([0, 1])[1] == pytest.approx(2.0, rel=0.05)
+
+
+def test_policy_uses_seeded_costs_at_once():
+    policy = DepthPolicy(max_depth=3)
+    assert policy.needs_costs(1)
+    policy.seed_costs(1, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3})
+    assert not policy.needs_costs(1) and policy.needs_costs(2)
+    for _ in range(20):  # drafts always kept: drafting pays from the first cycle
+        k = policy.choose(1, 100, ["greedy"])
+        assert policy.why != adaptive.CALIBRATING
+        policy.update(k, 1, None, [k], ["greedy"])
+    assert policy.regime > 0
