@@ -186,3 +186,24 @@ def test_no_new_shapes_after_warm_up_when_switching(fixture_model, monkeypatch, 
         eng.policy = ScriptedPolicy(switching_script(rng.sample(range(1, 71), 5)), plain)
         run(eng, prompt_of(n, seed=n), 150, ref)
         assert rec.shapes == seen, (n, rec.shapes - seen)
+
+
+def test_head_step_over_a_whole_buffer_is_masked(fixture_model):
+    """A one-token head step on a shape-stable cache sees only the written slots: its
+    output equals the step on a sliced cache (it used to attend to the whole buffer)."""
+    import numpy as np
+
+    from mlxmtp.engine import mlx_lm_adapter as adapter
+
+    model, _, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    head, H = model.mtp.head, model.mtp.parts.args.hidden_size
+    outs = []
+    for fixed in (False, True):
+        mx.random.seed(0)
+        cache = adapter.make_head_cache(head, 1)
+        if fixed:
+            adapter.fix_shapes(cache, 1)
+        head(mx.random.normal((1, 20, H)), mx.random.normal((1, 20, H)), cache)
+        outs.append(head(mx.random.normal((1, 1, H)), mx.random.normal((1, 1, H)), cache))
+    assert cache[0].keys.shape[2] > 21  # the step got the whole buffer
+    np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=1e-4, atol=1e-5)

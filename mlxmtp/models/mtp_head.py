@@ -49,9 +49,11 @@ class MTPHead(nn.Module):
         x = self.fc(x)
         if cache is None:
             cache = [None] * len(self.layers)
-        if mask is None and x.shape[1] > 1:
+        if mask is None and (x.shape[1] > 1 or cache[0] is not None):
             from mlx_lm.models.base import create_attention_mask
 
+            # None for one token over a sliced cache; an explicit mask where the cache hands
+            # over its whole buffer (RaggedKVCache's shape-stable mode), one token included.
             mask = create_attention_mask(x, cache[0])
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask=mask, cache=c)
