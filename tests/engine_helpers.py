@@ -37,25 +37,27 @@ def prompt_of(length: int, seed: int = 0, vocab: int = 290):
 
 def oracle_hook(expected: dict, p_correct: float = 0.7, seed: int = 0):
     """Replace drafts by the known continuation, each corrupted with prob 1 - p_correct,
-    so every acceptance length 0..k occurs. expected: request id -> full greedy output."""
+    so every acceptance length 0..k occurs. expected: request id -> full greedy output.
+
+    `unread` (a drafting cycle built on one not read yet): [B] tokens each row emits in
+    that cycle beyond row.generated, on the device; the drafts are then gathered there."""
     rng = random.Random(seed)
 
-    def hook(rows, drafts):
+    def hook(rows, drafts, unread=None):
         k = drafts.shape[1]
         out = []
         for b, row in enumerate(rows):
             if row.req.id not in expected:  # e.g. sampled rows keep their own drafts
-                out.append(drafts[b].tolist())
+                out.append(drafts[b])
                 continue
-            ref = expected[row.req.id]
-            g = row.generated  # tokens emitted so far; the next one is ref[g]
-            d = []
-            for i in range(k):
-                t = ref[g + i] if g + i < len(ref) else 0
-                if rng.random() > p_correct:
-                    t = (t + 1 + rng.randrange(50)) % 290
-                d.append(t)
-            out.append(d)
-        return mx.array(out, dtype=mx.int32)
+            ref = mx.array(expected[row.req.id] + [0] * (k + 8), dtype=mx.int32)
+            g = mx.array(row.generated)  # tokens emitted so far; the next one is ref[g]
+            if unread is not None:
+                g = g + unread[b]
+            d = mx.minimum(g + mx.arange(k), len(expected[row.req.id]) + k)
+            d = mx.where(g + mx.arange(k) < len(expected[row.req.id]), ref[d], 0)
+            shift = [1 + rng.randrange(50) if rng.random() > p_correct else 0 for _ in range(k)]
+            out.append(mx.where(mx.array(shift) > 0, (d + mx.array(shift)) % 290, d))
+        return mx.stack(out).astype(mx.int32)
 
     return hook

@@ -10,7 +10,9 @@ Every `step()`:
      text and events (output.py), and every cache is rolled back to what each row kept.
 
 One host synchronisation per cycle: drafts, verify and acceptance are built lazily and
-evaluated together. B=1 is simply a batch of one (that is how `generate` runs).
+evaluated together. Cycles are pipelined where they can be (cycle.py): the next one is
+queued on the device before the previous one is read. B=1 is simply a batch of one (that
+is how `generate` runs).
 
 The rest of the engine, one job a file: state.py (a request's Row; the Batch of active
 rows and their caches), head_inputs.py (the head's pending inputs between cycles),
@@ -74,9 +76,11 @@ class BatchGenerator:
         self.last_depth = 0
         self.why = ""  # why the last cycle got its depth (see cycle.choose_depth)
         # Tests replace drafts through this hook to force chosen acceptance patterns
-        # (drafts are verified, so any drafts give the same output): draft_hook(rows, drafts) -> drafts.
+        # (drafts are verified, so any drafts give the same output): draft_hook(rows, drafts,
+        # unread) -> drafts, where unread is None or [B] tokens each row emits in a cycle not
+        # read yet (beyond row.generated: a drafting cycle built on an unread one).
         self.draft_hook = None
-        self._inflight: Optional[Cycle] = None  # a pipelined plain-decoding cycle not read yet
+        self._inflight: Optional[Cycle] = None  # a pipelined cycle not read yet
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
@@ -128,6 +132,13 @@ class BatchGenerator:
         """Cancellations submitted but not yet applied."""
         return self.inbox.cancelled_ids()
 
+    def flush(self) -> List[Event]:
+        """Read and emit the cycle in flight, if any: the caches then hold exactly what
+        every row has emitted (but its last token)."""
+        events: List[Event] = []
+        self._drain(events)
+        return events
+
     # ---------------------------------------------------------------- the loop
     def step(self) -> List[Event]:
         """One turn of the loop -> the events it produced (tokens, finishes, failures)."""
@@ -165,17 +176,23 @@ class BatchGenerator:
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1
-        pipelined = k == 0 and all(not r.sampler.procs for r in self.rows)
-        if self._inflight is not None and not pipelined:
+        # Pipelined: queued on the device, read in the next step after the next cycle is
+        # queued (logits processors need each token on the host; a drafting cycle built on
+        # an unread one needs shape-stable caches; profiling times the parts apart).
+        pipelined = all(not r.sampler.procs for r in self.rows) and (
+            k == 0 or (self.shape_stable and not self.profile))
+        prev = self._inflight
+        if prev is not None and not (pipelined and (prev.k > 0) == (k > 0)):
             self._drain(events)
             if not self.rows:
                 return
             # The first drafting cycle after plain decoding: what it costs beyond a steady
             # cycle of its depth is the price of a switch (see timing).
-            self.clock.switched = k > 0
+            self.clock.switched = k > 0 and prev.k == 0
+            prev = None
         snapshot = CycleSnapshot([self.cache, self.head_cache], [r.sampler for r in self.rows])
         try:
-            rec = self._launch(k, self._inflight if pipelined else None)
+            rec = self._launch(k, prev)
         except RowFailure as f:
             snapshot.restore()  # undo the build, drop the row, rebuild next step without it
             self._drop_rows(scheduler.fail([f], self.rows, events))
@@ -185,14 +202,14 @@ class BatchGenerator:
             cycle.evaluate(rec, self.batch)
             self._finish(rec, events)
             return
-        # Plain decoding, pipelined as mlx-lm does: this cycle's forward is queued on the
-        # device before the previous cycle's tokens are read and emitted, so building
-        # graphs and bookkeeping overlap the computation. A row that finished in the
-        # previous cycle was fed one token too many here; it leaves, so nothing leaks.
+        # As mlx-lm decodes: this cycle is queued on the device before the previous one's
+        # tokens are read and emitted, so building graphs and bookkeeping overlap the
+        # computation. A row that finished in the previous cycle was fed too far here; it
+        # leaves, so nothing leaks.
         cycle.start(rec)
-        prev, self._inflight = self._inflight, rec
+        self._inflight = rec
         if prev is not None:
-            self._finish(prev, events)
+            self._finish(prev, events, rolled_back=prev.k > 0)
 
     def _drain(self, events: List[Event]) -> None:
         """Emit the cycle still in flight (before the batch changes shape)."""
@@ -203,7 +220,11 @@ class BatchGenerator:
             self.clock.untimed()
 
     def _launch(self, k: int, after: Optional[Cycle] = None) -> Cycle:
-        """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily."""
+        """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily;
+        `after`: the previous cycle, still unread (pipelined), or None."""
+        if k > 0 and after is not None:
+            return cycle.launch_after(self.pieces, self.batch, after, k, self._picker(list(self.rows)),
+                                      self.draft_hook, self.acceptance_rule)
         t0 = time.perf_counter()
         rows = list(self.rows)
         ys = cycle.first_inputs(rows, after)
@@ -219,7 +240,7 @@ class BatchGenerator:
         drafts, q_rows = draft(p.head, p.vocab, self.head_cache, [r.pend for r in rows], [r.pend_t for r in rows],
                                k, self._picker(rows))
         if self.draft_hook is not None:
-            drafts = self.draft_hook(rows, drafts)
+            drafts = self.draft_hook(rows, drafts, None)
         if self.profile:
             self.clock.draft_time = cycle.wait_for_drafts(drafts, q_rows)
         else:
@@ -231,16 +252,21 @@ class BatchGenerator:
         """How each draft of `rows` is decided (a test overrides it to draft from chosen q)."""
         return draft_picker(rows)
 
-    def _finish(self, rec: Cycle, events: List[Event]) -> None:
-        """Read a cycle's results (the one host sync), emit, and roll every state back."""
+    def _finish(self, rec: Cycle, events: List[Event], rolled_back: bool = False) -> None:
+        """Read a cycle's results (the one host sync), emit, and roll every state back;
+        `rolled_back`: the drafting cycle built on top of it did that on the device (and fed
+        the head), only the trims it deferred are left to settle."""
         kept, tokens, tables = cycle.read(rec)
         consumed, finished = emit_cycle(rec.rows, rec.k, kept, tokens, tables, events)
-        cycle.roll_back(rec, self.batch, consumed)
-        if self.pieces.head is not None:
-            head_inputs.after_cycle(rec.rows, rec.hidden, tokens, consumed, rec.k)
-            if rec.k == 0:
-                head_inputs.keep_bounded(self.rows, self.policy.plain_regime(), self.pieces.head,
-                                         self.pieces.vocab, self.head_cache)
+        if rolled_back:
+            cycle.settle(rec, self.batch, kept)
+        else:
+            cycle.roll_back(rec, self.batch, consumed)
+            if self.pieces.head is not None:
+                head_inputs.after_cycle(rec.rows, rec.hidden, tokens, consumed, rec.k)
+                if rec.k == 0:
+                    head_inputs.keep_bounded(self.rows, self.policy.plain_regime(), self.pieces.head,
+                                             self.pieces.vocab, self.head_cache)
         for row in rec.rows:
             row.y = row.tokens[-1]
         self.clock.finish(rec, self.policy, kept)

@@ -9,6 +9,10 @@ row from the states recorded during the verify; no second forward.
 
 Plain decoding (k = 0) is pipelined as mlx-lm does it: a cycle's forward is queued on
 the device before the previous cycle's tokens are read (`BatchGenerator._decode_cycle`).
+Drafting cycles are pipelined the same way where the caches are shape-stable (the GPU
+default): `launch_after` builds the next cycle from the previous one's results while they
+are still on the device (its rollback, its head inputs and its last token as arrays), so
+the host builds a cycle while the device computes the one before.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import mlx.core as mx
 from ..models import gdn_capture
 from . import mlx_lm_adapter as adapter
 from .pieces import ModelPieces
+from .proposer import draft_unread
 from .state import Batch, Row, acceptance_classes
 from .verify import VerifyMetadata, accept
 
@@ -46,8 +51,8 @@ class Cycle:
     def select(self, keep: List[int]) -> "Cycle":
         idx = mx.array(keep, dtype=mx.int32)
         return Cycle([self.rows[i] for i in keep], self.k, self.kept[idx], self.tokens[idx],
-                     None if self.lps is None else self.lps[idx], self.hidden[idx], self.records,
-                     self.t0, self.pipelined)
+                     None if self.lps is None else self.lps[idx], self.hidden[idx],
+                     [r.select(idx) for r in self.records], self.t0, self.pipelined)
 
 
 def choose_depth(policy, rows: List[Row], has_head: bool) -> Tuple[int, str]:
@@ -106,7 +111,7 @@ def evaluate(rec: Cycle, batch: Batch) -> None:
 
 def start(rec: Cycle) -> None:
     """Queue a pipelined cycle on the device without waiting for it."""
-    mx.async_eval(rec.tokens, *([rec.lps] if rec.lps is not None else []))
+    mx.async_eval(rec.tokens, rec.kept, *([rec.lps] if rec.lps is not None else []))
 
 
 def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
@@ -124,3 +129,31 @@ def roll_back(rec: Cycle, batch: Batch, consumed: List[int]) -> None:
         # The rows the head wrote while chaining drafts 2..k (from its own guesses).
         for c in batch.head_cache:
             c.trim_rows([rec.k - 1] * len(rec.rows))
+
+
+def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, pick, hook, rule: str) -> Cycle:
+    """Build a drafting cycle of depth k on top of `prev` (a drafting cycle not read yet):
+    prev's rollback (attention trims deferred, Gated DeltaNet states from its kept counts),
+    the head's pass over prev's hidden states, the drafts, the verify and the acceptance,
+    all lazily. `hook(rows, drafts, unread)`: the engine's draft hook, or None."""
+    t0 = time.perf_counter()
+    B = len(prev.rows)
+    consumed = prev.kept + 1
+    adapter.commit_unread(batch.cache, prev.records, consumed, prev.k + 1)
+    if prev.k > 1:  # the head rows prev's chained drafts wrote
+        for c in batch.head_cache:
+            c.trim_rows([prev.k - 1] * B)
+    ys = prev.tokens[mx.arange(B), prev.kept][:, None]
+    drafts, q_rows = draft_unread(pieces.head, pieces.vocab, batch.head_cache, prev.hidden, prev.tokens,
+                                  prev.kept, k, pick)
+    if hook is not None:
+        drafts = hook(prev.rows, drafts, consumed)
+    return verify(pieces, batch.cache, prev.rows, ys, drafts, q_rows, rule, t0, True)
+
+
+def settle(prev: Cycle, batch: Batch, kept: List[int]) -> None:
+    """prev was rolled back by the cycle built after it (launch_after): now that its kept
+    counts are read, settle the trims that cycle deferred."""
+    adapter.settle(batch.cache, [prev.k - n for n in kept])
+    bucket = batch.head_cache[0].query_bucket(prev.k + 1)
+    adapter.settle(batch.head_cache, [bucket - 1 - n for n in kept])

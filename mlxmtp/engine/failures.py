@@ -44,8 +44,8 @@ class CycleSnapshot:
     """What building one decode cycle changes, taken before it: restoring it undoes the
     build (nothing has been read from the device yet).
 
-    Attention caches only move their per-row ends (slots past an end are overwritten by
-    the next write); Gated DeltaNet caches replace their state arrays, which are
+    Attention caches only move their per-row ends, settled or deferred (slots past an end
+    are overwritten by the next write); Gated DeltaNet caches replace their state arrays, which are
     immutable, so keeping references is enough; seeded samplers advance their keys."""
 
     def __init__(self, caches: List[Optional[list]], samplers: list):
@@ -54,14 +54,14 @@ class CycleSnapshot:
         for cache in caches:
             for c in cache or []:
                 if isinstance(c, RaggedKVCache):
-                    self._lengths.append((c, list(c.lengths)))
+                    self._lengths.append((c, list(c.lengths), list(c.deferred)))
                 elif isinstance(c, ArraysCache):
                     self._states.append((c, list(c.cache)))
         self._keys = [(s, s.key) for s in samplers]
 
     def restore(self) -> None:
-        for c, lengths in self._lengths:
-            c.lengths = lengths
+        for c, lengths, deferred in self._lengths:
+            c.lengths, c.deferred = lengths, deferred
         for c, state in self._states:
             c.cache = state
         for sampler, key in self._keys:

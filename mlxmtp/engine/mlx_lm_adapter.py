@@ -105,6 +105,25 @@ def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> No
         c[1] = rec.state_after(kept)
 
 
+def commit_unread(cache: list, records: list, consumed: mx.array, verified: int) -> None:
+    """`commit` for a cycle not read yet: consumed [B] int32 on the device. Attention caches
+    defer their trims (settled by `settle` once read); Gated DeltaNet states are selected
+    and replayed from the array (shape-stable caches only)."""
+    for c in attention_caches(cache):
+        c.defer_trim(verified - consumed)
+    for c, rec in zip(gdn_layers(cache), records):
+        n_keep = rec.conv_input.shape[1] - verified
+        pos = (consumed[:, None] + mx.arange(n_keep))[..., None]
+        c[0] = mx.take_along_axis(rec.conv_input, pos, axis=1)
+        c[1] = rec.state_after(consumed)
+
+
+def settle(cache: list, trims: Sequence[int]) -> None:
+    """The oldest deferred trim of every attention cache, now known on the host."""
+    for c in attention_caches(cache):
+        c.settle_trim(list(trims))
+
+
 def filter_cache(cache: list, rows: List[int]) -> None:
     for c in cache:
         c.filter(rows)

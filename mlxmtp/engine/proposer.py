@@ -114,8 +114,33 @@ def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence
     """
     counts = [len(t) for t in pend_t]
     g, _ = head_pass(head, vocab, head_cache, pend, pend_t, counts)
+    g = g[mx.arange(g.shape[0]), mx.array(counts) - 1][:, None, :]  # each row's last real position
+    return chain(head, vocab, head_cache, g, k, pick)
+
+
+def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array, tokens: mx.array,
+                 kept: mx.array, k: int, pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
+    """`draft` right after a cycle that was not read yet: its pending inputs are that cycle's
+    hidden states [B, T, H] paired with its tokens [B, T], of which row b's first kept[b] + 1
+    are real (kept [B] on the device). The head takes all T (padded to its shape bucket) and
+    defers the trim of what is not real (a shape-stable head cache, see RaggedKVCache)."""
+    B, T = tokens.shape
+    P = head_cache[0].query_bucket(T)
+    if P > T:
+        tokens = mx.concatenate([tokens, mx.zeros((B, P - T), tokens.dtype)], axis=1)
+        hidden = mx.concatenate([hidden, mx.zeros((B, P - T, hidden.shape[2]), hidden.dtype)], axis=1)
+    emb = vocab.embed_tokens(tokens)
+    g = head(emb, hidden.astype(emb.dtype) if hidden.dtype != emb.dtype else hidden, head_cache)
+    for c in head_cache:
+        c.defer_trim(P - 1 - kept)
+    g = g[mx.arange(B), kept][:, None, :]
+    return chain(head, vocab, head_cache, g, k, pick)
+
+
+def chain(head: MTPHead, vocab: Vocab, head_cache: list, g: mx.array, k: int,
+          pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
+    """k drafts per row, chained from the head states g [B, 1, H] (see `draft`)."""
     B = g.shape[0]
-    g = g[mx.arange(B), mx.array(counts) - 1][:, None, :]  # each row's last real position
     drafts: List[mx.array] = []
     qs: List[List[mx.array]] = [[] for _ in range(B)]
     for step in range(k):

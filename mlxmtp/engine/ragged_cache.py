@@ -16,6 +16,12 @@ lengths. A GPU backend that plans or compiles a kernel per shape (masked multi-t
 attention) then pays once per capacity bucket, not once per position. The engine sets
 it on its decode caches for verify forwards (T >= 2) and for the head (all T); plain
 decoding (T = 1) keeps mlx-lm's exact slices.
+
+Deferred trims (`defer_trim` / `settle_trim`): a trim whose per-row counts are still on the
+device (a cycle built before the previous one was read). Until it is settled, `lengths`
+are upper bounds (what capacity is sized by) and the true ends are `lengths` minus the
+deferred counts, as an array: writes scatter there and masks are built from it. Only in
+shape-stable forwards, whose shapes never depend on the ends.
 """
 
 from __future__ import annotations
@@ -34,16 +40,24 @@ class RaggedKVCache:
         self.values: Optional[mx.array] = None
         self.lengths: List[int] = [0] * batch_size
         self.fixed_shape_from: Optional[int] = None  # see the module docstring
+        self.deferred: List[mx.array] = []  # [B] int32 trims not yet known on the host, oldest first
 
     # --- what mlx-lm's attention layers use -------------------------------------------
     @property
     def uniform(self) -> bool:
-        return all(n == self.lengths[0] for n in self.lengths)
+        return not self.deferred and all(n == self.lengths[0] for n in self.lengths)
+
+    def ends(self) -> mx.array:
+        """[B] int32: each row's end, deferred trims included."""
+        out = mx.array(self.lengths, dtype=mx.int32)
+        for t in self.deferred:
+            out = out - t
+        return out
 
     @property
     def offset(self):
         """RoPE offset: an int when rows agree (as KVCache), else one per row."""
-        return self.lengths[0] if self.uniform else mx.array(self.lengths)
+        return self.lengths[0] if self.uniform else self.ends()
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         B, H, _, Dk = keys.shape
@@ -69,7 +83,7 @@ class RaggedKVCache:
             self.values[..., n : n + T, :] = values
         else:
             B, H, _, Dk = keys.shape
-            pos = (mx.array(self.lengths)[:, None] + mx.arange(T))[:, None, :, None]
+            pos = (self.ends()[:, None] + mx.arange(T))[:, None, :, None]
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(pos, (B, H, T, Dk)), keys, axis=2)
             Dv = values.shape[3]
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, (B, H, T, Dv)), values, axis=2)
@@ -98,8 +112,9 @@ class RaggedKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if self._fixed_shape(N):
             # Row b's query t sees keys [0, len_b + t] of the whole buffer.
-            limit = mx.array(self.lengths)[:, None, None, None] + mx.arange(N)[None, None, :, None]
+            limit = self.ends()[:, None, None, None] + mx.arange(N)[None, None, :, None]
             return mx.arange(self._capacity_for(N))[None, None, None, :] <= limit
+        assert not self.deferred, "deferred trims need shape-stable forwards"
         if self.uniform:
             # Exactly what mlx-lm's KVCache.make_mask returns.
             return _kv_mask(N, self.lengths[0], return_array, window_size)
@@ -119,15 +134,27 @@ class RaggedKVCache:
     def trim_rows(self, counts: List[int]) -> None:
         self.lengths = [max(0, m - c) for m, c in zip(self.lengths, counts)]
 
+    def defer_trim(self, counts: mx.array) -> None:
+        """Trim row b by counts[b] ([B] int32 on the device), known on the host later."""
+        assert self.fixed_shape_from is not None, "deferred trims need shape-stable forwards"
+        self.deferred.append(counts)
+
+    def settle_trim(self, counts: List[int]) -> None:
+        """The oldest deferred trim's counts, now read on the host."""
+        self.deferred.pop(0)
+        self.trim_rows(counts)
+
     # --- batching ---------------------------------------------------------------------
     def filter(self, rows: List[int]) -> None:
+        idx = mx.array(rows)
         if self.keys is not None:
-            idx = mx.array(rows)
             self.keys, self.values = self.keys[idx], self.values[idx]
+        self.deferred = [t[idx] for t in self.deferred]
         self.lengths = [self.lengths[r] for r in rows]
 
     def extend(self, other: "RaggedKVCache") -> None:
         """Append other's rows; an empty side gets zero rows (its lengths say they are unused)."""
+        assert not self.deferred and not other.deferred, "settle deferred trims first"
         if self.keys is None and other.keys is None:
             self.lengths = self.lengths + other.lengths
             return
@@ -152,6 +179,7 @@ class RaggedKVCache:
 
     def extract(self, row: int) -> "RaggedKVCache":
         """One row as its own cache, sliced to its length (a prefix-cache snapshot)."""
+        assert not self.deferred, "settle deferred trims first"
         c = RaggedKVCache(1)
         n = self.lengths[row]
         if self.keys is not None and n > 0:
@@ -163,6 +191,7 @@ class RaggedKVCache:
     def copy(self) -> "RaggedKVCache":
         """An independent cache sharing the data: `update_and_fetch` assigns into its
         arrays in place, so the copy must hold new array objects (slices), never the same ones."""
+        assert not self.deferred, "settle deferred trims first"
         c = RaggedKVCache(len(self.lengths))
         c.lengths = list(self.lengths)
         c.fixed_shape_from = self.fixed_shape_from

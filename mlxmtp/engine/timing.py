@@ -1,7 +1,7 @@
 """What each decode cycle cost: told to the depth policy, and added to the rows' stats.
 
 A cycle's cost for the depth policy is the interval between two finishes of the same
-kind (synchronous, or pipelined plain decoding) at the same batch size: it includes all
+kind (synchronous, or pipelined) at the same batch size: it includes all
 host work between cycles, alike for both kinds. A cycle after anything else is not
 timed: the first after a prefill, after an early read of a pipelined cycle (a drain),
 or after a switch of kind (when a k = 0 stretch ends the head catches up on its pending

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,16 +36,26 @@ class LayerRecord:
     options: dict = field(default_factory=dict)  # use_kernel, lower_bound, allow_neg_eigval
     final_state: Optional[mx.array] = None  # the verify's state after all T positions
 
-    def state_after(self, kept: Sequence[int]) -> mx.array:
-        """The recurrent state after kept[b] of the T verified positions of row b."""
+    def state_after(self, kept: Union[Sequence[int], mx.array]) -> mx.array:
+        """The recurrent state after kept[b] of the T verified positions of row b (host
+        ints, or a [B] array not read yet: then the replay is always built)."""
         T = self.inputs[0].shape[1]
-        if all(n == T for n in kept):
+        on_host = not isinstance(kept, mx.array)
+        if on_host and all(n == T for n in kept):
             return self.final_state
-        keep = mx.arange(T)[None, :] < mx.array(kept)[:, None]  # [B, T]; shape fixed by T
+        kept = mx.array(kept) if on_host else kept
+        keep = mx.arange(T)[None, :] < kept[:, None]  # [B, T]; shape fixed by T
         if self.mask is not None:
             keep = keep & self.mask
         _, state = gated_delta.gated_delta_update(*self.inputs, self.state_before, keep, **self.options)
         return state
+
+    def select(self, rows: mx.array) -> "LayerRecord":
+        """The record of the batch rows `rows` (row-less inputs, A_log and dt_bias, stay)."""
+        q, k, v, a, b, A_log, dt_bias = self.inputs
+        pick = [x[rows] for x in (q, k, v, a, b)]
+        return LayerRecord(self.conv_input[rows], (*pick, A_log, dt_bias), self.state_before[rows],
+                           None if self.mask is None else self.mask[rows], self.options, self.final_state[rows])
 
 
 class Recorder:
