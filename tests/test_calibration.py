@@ -13,11 +13,12 @@ from mlxmtp.engine.generate import generate
 from mlxmtp.engine.pieces import model_pieces
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_measured_costs_cover_every_depth(fixture_model, batch_size):
+@pytest.mark.parametrize("batch_size,pipelined", [(1, False), (3, True)])
+def test_measured_costs_cover_every_depth(fixture_model, batch_size, pipelined):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     BatchGenerator(model, tok)  # prepares the model (Gated DeltaNet capture)
-    costs = calibration.measure_cycle_costs(model_pieces(model, True), batch_size, 4, shape_stable=True)
+    costs = calibration.measure_cycle_costs(model_pieces(model, True), batch_size, 4, shape_stable=True,
+                                            pipelined=pipelined)
     assert sorted(costs) == [0, 1, 2, 3, 4]
     assert all(c > 0 for c in costs.values())
 
@@ -27,9 +28,9 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
     calls = []
     measure = calibration.measure_cycle_costs
 
-    def spy(pieces, batch_size, *args):
+    def spy(pieces, batch_size, *args, **kwargs):
         calls.append(batch_size)
-        return measure(pieces, batch_size, *args)
+        return measure(pieces, batch_size, *args, **kwargs)
 
     monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
     prompt = prompt_of(30, seed=4)
@@ -44,7 +45,7 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
 
 def test_pinned_depths_do_not_calibrate(fixture_model, monkeypatch):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
-    monkeypatch.setattr(calibration, "measure_cycle_costs", lambda *a: pytest.fail("calibrated"))
+    monkeypatch.setattr(calibration, "measure_cycle_costs", lambda *a, **kw: pytest.fail("calibrated"))
     generate(model, tok, prompt_of(10), max_tokens=10, num_draft=2)
 
 

@@ -171,7 +171,8 @@ class BatchGenerator:
     def _decode_cycle(self, events: List[Event]) -> None:
         if self.pieces.head is not None and self.policy.needs_costs(len(self.rows)):
             self.policy.seed_costs(len(self.rows), calibration.measure_cycle_costs(
-                self.pieces, len(self.rows), self.policy.max_depth, self.shape_stable))
+                self.pieces, len(self.rows), self.policy.max_depth, self.shape_stable,
+                pipelined=self.shape_stable and not self.profile))
             self.clock.untimed()
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
         for r in self.rows:

@@ -7,9 +7,10 @@ requests. Here, on scratch caches (the engine's own state is never touched), the
 own calls are timed at a batch of `batch_size` rows:
 - plain decoding as the engine runs it, pipelined (each forward queued before the
   previous token is read);
-- for k = 1..max_depth, a drafting cycle as the engine runs it, synchronous: the head
-  chaining k drafts, then a verify forward of k+1 tokens with the Gated DeltaNet capture
-  on, and the accept step's argmax.
+- for k = 1..max_depth, drafting cycles as the engine runs them: the head chaining k
+  drafts, then a verify forward of k+1 tokens with the Gated DeltaNet capture on, and the
+  accept step's argmax; synchronous, or pipelined (each queued before the previous one is
+  done) where the engine pipelines drafting cycles (shape-stable caches).
 The policy takes these as prior samples of its cost ratios; the cycles it times itself
 replace them as they come (see DepthPolicy.seed_costs). On a GPU this takes a fraction
 of a second and compiles the kernels of these shapes on the way.
@@ -32,8 +33,9 @@ REPS = 3  # timed repetitions of each measurement, after one untimed warm-up
 
 
 def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int,
-                        shape_stable: bool) -> Dict[int, float]:
-    """Seconds per decode cycle of depth k = 0..max_depth at `batch_size` rows."""
+                        shape_stable: bool, pipelined: bool = False) -> Dict[int, float]:
+    """Seconds per decode cycle of depth k = 0..max_depth at `batch_size` rows;
+    `pipelined`: drafting cycles are pipelined (see the module docstring)."""
     cache = adapter.make_cache(pieces.parts, batch_size)
     head_cache = adapter.make_head_cache(pieces.head, batch_size)
     _, hidden = adapter.forward(pieces.parts, mx.zeros((batch_size, CONTEXT), mx.int32), cache,
@@ -45,8 +47,9 @@ def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int,
         adapter.fix_shapes(head_cache, 1)
     g = hidden[:, -1:]
     costs = {0: _median(lambda: _plain_steps(pieces, cache, batch_size, 4)) / 4}
+    n = 3 if pipelined else 1
     for k in range(1, max_depth + 1):
-        costs[k] = _median(lambda depth=k: _drafting_cycle(pieces, cache, head_cache, g, depth))
+        costs[k] = _median(lambda depth=k: _drafting_cycles(pieces, cache, head_cache, g, depth, n)) / n
     return costs
 
 
@@ -70,7 +73,15 @@ def _plain_steps(pieces: ModelPieces, cache: list, batch_size: int, n: int) -> N
     _trim(cache, n)
 
 
-def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int) -> None:
+def _drafting_cycles(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int, n: int) -> None:
+    """n cycles of depth k; each is queued on the device while the host builds the next."""
+    for _ in range(n):
+        out = _drafting_cycle(pieces, cache, head_cache, g, k)
+        mx.async_eval(out)
+    mx.eval(out)
+
+
+def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int) -> list:
     B = g.shape[0]
     drafts = []
     tok = mx.zeros((B, 1), mx.int32)
@@ -82,9 +93,10 @@ def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.ar
     inputs = mx.concatenate([mx.zeros((B, 1), mx.int32), *drafts], axis=1)
     with gdn_capture.record():
         logits, _ = adapter.forward(pieces.parts, inputs, cache, pieces.hidden_state)
-    mx.eval(mx.argmax(logits, axis=-1), *adapter.cache_arrays(cache))
+    out = [mx.argmax(logits, axis=-1), *adapter.cache_arrays(cache)]
     _trim(cache, k + 1)
     _trim(head_cache, k)
+    return out
 
 
 def _trim(cache: list, n: int) -> None:
