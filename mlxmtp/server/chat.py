@@ -45,7 +45,9 @@ def _text_of(content: Any, where: str) -> str:
     raise APIError(400, f"{where}: 'content' must be a string or an array of parts", param="messages")
 
 
-def _arguments(args: Any) -> Any:
+def tool_arguments(args: Any) -> Any:
+    """A tool call's arguments as the templates want them: a JSON object string parsed to
+    a dict; anything else unparseable kept as sent."""
     if isinstance(args, str):
         try:
             parsed = json.loads(args) if args.strip() else {}
@@ -84,7 +86,7 @@ def openai_messages(messages: Any) -> List[Message]:
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                         raise APIError(400, f"{where}: each tool call needs function.name", param="messages")
                     msg["tool_calls"].append({"id": c.get("id"), "type": "function", "function": {
-                        "name": fn["name"], "arguments": _arguments(fn.get("arguments"))}})
+                        "name": fn["name"], "arguments": tool_arguments(fn.get("arguments"))}})
         if role == "tool":
             if m.get("tool_call_id") is not None:
                 msg["tool_call_id"] = m["tool_call_id"]
