@@ -1,8 +1,9 @@
 """OpenAI Responses API: POST /v1/responses (what Codex CLI speaks), streaming or not.
 
 The request becomes the same chat messages as /v1/chat/completions (chat.py's shape):
-responses_input.py reads `instructions`, `input` items and `tools`. The output pieces (reasoning / content / tool calls, split as for
-chat completions) become output items: `reasoning`, `message` and `function_call`.
+responses_input.py reads `instructions`, `input` items and `tools`. The output pieces
+(reasoning / content / tool calls, split as for chat completions) become output items:
+`reasoning`, `message` and `function_call`.
 
 Stateless: nothing is stored (`store` is accepted either way), so `previous_response_id`
 and `conversation` are refused with a 400 that says to send the whole conversation.
@@ -187,7 +188,6 @@ def usage(gen: Generation, tok) -> dict:
 
 def _final_status(gen: Generation) -> str:
     return "incomplete" if gen.finish_reason == "length" else "completed"
-
 
 
 class ResponsesReply(Reply):
