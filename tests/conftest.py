@@ -1,5 +1,7 @@
 """Shared pytest fixtures."""
 
+import contextlib
+
 import pytest
 
 from mlxmtp.testing import fixtures as fx
@@ -25,3 +27,53 @@ def fixture_model(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+# ------------------------------------------------------------------ servers (server_helpers.py)
+@pytest.fixture(scope="module")
+def server_model(tmp_path_factory):
+    """The float32 qwen3_5 fixture checkpoint, loaded once per test module: (model, tok)."""
+    from mlxmtp.models.load import load
+    from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+    return load(str(write_hf_checkpoint(tmp_path_factory.mktemp("server_model") / "model", "qwen3_5")))
+
+
+@pytest.fixture(scope="module")
+def start_server(server_model):
+    """``start_server(scripts=None, *, hook=None, tok=None, **create_app_options)``: a
+    started ServerThread on ``server_model``, stopped at the end of the module. With
+    ``scripts`` the request hook is a server_helpers.Hook forcing them; ``hook`` gives
+    one of the test's own; ``tok`` another tokenizer (template) on the same weights."""
+    from server_helpers import Hook, ServerThread
+
+    from mlxmtp.server.app import create_app
+
+    model, default_tok = server_model
+    with contextlib.ExitStack() as stack:
+
+        def start(scripts=None, *, hook=None, tok=None, **options):
+            tok = tok or default_tok
+            if hook is None and scripts is not None:
+                hook = Hook(tok, scripts)
+            srv = stack.enter_context(ServerThread(create_app(model, tok, request_hook=hook, **options)))
+            srv.hook = hook
+            return srv
+
+        yield start
+
+
+@pytest.fixture()
+def oai(server):
+    """An OpenAI client for the module's ``server``."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture()
+def ant(server):
+    """An Anthropic client for the module's ``server``."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)

@@ -1,5 +1,6 @@
-"""Helpers for the server tests: a real uvicorn server in a thread, and a test-only
-request hook that forces the (random) fixture model's output.
+"""Helpers for the server tests: a real uvicorn server in a thread, a test-only
+request hook that forces the (random) fixture model's output, and bench/load.py (its
+`mlxmtp serve` subprocess starter) as a module. conftest.py builds its fixtures on these.
 
 The forced output is a logits processor added to the request's SamplingParams: the
 engine still runs everything for real (prefill, MTP drafts, verify, acceptance, stop
@@ -9,15 +10,19 @@ tool-call / thinking parsing can be checked end to end through HTTP.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import uvicorn
 
 EOS_ID = 298  # <|im_end|> in the fixture tokenizer
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def free_port() -> int:
@@ -26,10 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def load_bench_module():
+    """bench/load.py as the module `bench_load` (ServerProcess, the load generator)."""
+    spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_load"] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
 class ServerThread:
+    """A uvicorn server for `app` on a free local port, as a context manager; `state` is
+    the app's ServerState."""
+
     def __init__(self, app):
         self.port = free_port()
         self.app = app
+        self.state = app.state.server
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -74,9 +92,9 @@ class Hook:
 
     `FORCE:<name>` forces SCRIPTS[name] (+ EOS); `FAIL:now` makes the engine step raise."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, scripts=None):
         self.tok = tok
-        self.scripts = {}
+        self.scripts = dict(scripts or {})
 
     def __call__(self, req, body):
         raw = json.dumps(body)

@@ -10,11 +10,6 @@ import threading
 
 import httpx
 import pytest
-from server_helpers import ServerThread
-
-from mlxmtp.models.load import load
-from mlxmtp.server.app import create_app
-from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 MODEL = "fixture"
 CONTEXT = 256
@@ -178,13 +173,9 @@ def encode(body) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model, tok = load(str(write_hf_checkpoint(tmp_path_factory.mktemp("bad") / "model", "qwen3_5")))
+def server(start_server):
     # Strict model names: an unknown name is one of the rejections catalogued here.
-    app = create_app(model, tok, model_id=MODEL, context_length=CONTEXT, max_body_mb=1, strict_model_name=True)
-    with ServerThread(app) as srv:
-        srv.state = app.state.server
-        yield srv
+    return start_server(model_id=MODEL, context_length=CONTEXT, max_body_mb=1, strict_model_name=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,24 +7,15 @@ API's error shape; none is lost; RSS after the load is within 10% of its level a
 warm-up round of the same requests.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from server_helpers import load_bench_module
 
 from mlxmtp.testing.fixtures import write_hf_checkpoint
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def load():
-    spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_module()
 
 
 def test_poison_bodies_are_what_they_claim(load):

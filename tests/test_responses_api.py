@@ -12,11 +12,6 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import Hook, ServerThread
-
-from mlxmtp.models.load import load
-from mlxmtp.server.app import create_app
-from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 MODEL = "fixture"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -36,29 +31,20 @@ NAMESPACE_TOOLS = [
 ]
 
 
+SCRIPTS = {
+    "hello": "Hello there, friend!",
+    "call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+    "textcall": ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                 "</function>\n</tool_call>"),
+    "think": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
+    "spawn": '<tool_call>\n{"name": "spawn_agent", "arguments": {"message": "go"}}\n</tool_call>',
+    "mcpread": '<tool_call>\n{"name": "mcp__files__read", "arguments": {"path": "a.txt"}}\n</tool_call>',
+}
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model, tok = load(str(write_hf_checkpoint(tmp_path_factory.mktemp("resp") / "model", "qwen3_5")))
-    hook = Hook(tok)
-    hook.scripts.update({
-        "hello": "Hello there, friend!",
-        "call": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
-        "textcall": ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
-                     "</function>\n</tool_call>"),
-        "think": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
-        "spawn": '<tool_call>\n{"name": "spawn_agent", "arguments": {"message": "go"}}\n</tool_call>',
-        "mcpread": '<tool_call>\n{"name": "mcp__files__read", "arguments": {"path": "a.txt"}}\n</tool_call>',
-    })
-    app = create_app(model, tok, model_id=MODEL, max_concurrent=4, max_prompt_tokens=1500, request_hook=hook,
-                     aliases=["gpt-5-codex"])
-    with ServerThread(app) as srv:
-        srv.state = app.state.server
-        yield srv
-
-
-@pytest.fixture()
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+def server(start_server):
+    return start_server(SCRIPTS, model_id=MODEL, max_concurrent=4, max_prompt_tokens=1500, aliases=["gpt-5-codex"])
 
 
 def create(oai, input, **kw):

@@ -20,9 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import Hook, ServerThread
 
-from mlxmtp.models.load import load
 from mlxmtp.server.app import create_app
-from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 MODEL = "fixture"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
@@ -33,38 +31,19 @@ ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city.",
                     "input_schema": TOOLS[0]["function"]["parameters"]}]
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    path = write_hf_checkpoint(tmp_path_factory.mktemp("srv") / "model", "qwen3_5")
-    return load(str(path))
+SCRIPTS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+    "xml": ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+    "think": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
+    "thinktool": ('<think>\nneed weather\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+                  '"arguments": {"city": "Oslo"}}\n</tool_call>'),
+}
 
 
 @pytest.fixture(scope="module")
-def server(loaded):
-    model, tok = loaded
-    hook = Hook(tok)
-    hook.scripts.update({
-        "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
-        "xml": ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
-        "think": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
-        "thinktool": ('<think>\nneed weather\n</think>\n\n<tool_call>\n{"name": "get_weather", '
-                      '"arguments": {"city": "Oslo"}}\n</tool_call>'),
-    })
-    app = create_app(model, tok, model_id=MODEL, max_concurrent=8, max_prompt_tokens=1500, request_hook=hook)
-    with ServerThread(app) as srv:
-        srv.state = app.state.server
-        yield srv
-
-
-@pytest.fixture()
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-@pytest.fixture()
-def ant(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+def server(start_server):
+    return start_server(SCRIPTS, model_id=MODEL, max_concurrent=8, max_prompt_tokens=1500)
 
 
 def chat(oai, text, **kw):
@@ -413,10 +392,10 @@ def test_clients_raise_typed_errors_and_server_keeps_serving(oai, ant, server):
     assert chat(oai, "fine", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_strict_model_name(loaded):
+def test_strict_model_name(server_model):
     """--strict-model-name: only the model id and its aliases; others get a typed 404 on
     every endpoint."""
-    model, tok = loaded
+    model, tok = server_model
     app = create_app(model, tok, model_id=MODEL, aliases=["my-alias"], strict_model_name=True)
     user = [{"role": "user", "content": "x"}]
     with ServerThread(app) as srv:
@@ -459,8 +438,8 @@ def test_metrics_parse(server, oai):
     assert samples[("mlxmtp_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
 
 
-def test_api_key(loaded):
-    model, tok = loaded
+def test_api_key(server_model):
+    model, tok = server_model
     # Also the fixed-depth server option: every decode cycle drafts 2 tokens.
     app = create_app(model, tok, model_id=MODEL, api_key="sekret", num_draft=2)
     with ServerThread(app) as srv:
@@ -487,14 +466,14 @@ def test_api_key(loaded):
         assert httpx.get(srv.url + "/metrics", headers={"x-api-key": "sekret"}).status_code == 200
 
 
-def test_template_that_opens_think(tmp_path, loaded):
+def test_template_that_opens_think(tmp_path, server_model):
     """Qwen3.5/3.6 templates open `<think>` in the generation prompt when thinking is on:
     the output then starts inside the reasoning (no `<think>` of its own)."""
     from mlx_lm.tokenizer_utils import load as load_tok
 
     from mlxmtp.testing.fixtures import CHAT_TEMPLATE, write_tokenizer
 
-    model, _ = loaded
+    model, _ = server_model
     write_tokenizer(tmp_path)
     tok = load_tok(tmp_path)
     tok._tokenizer.chat_template = CHAT_TEMPLATE.replace(

@@ -17,11 +17,7 @@ import time
 import anthropic
 import httpx
 import pytest
-from server_helpers import Hook, ServerThread
-
-from mlxmtp.models.load import load
-from mlxmtp.server.app import create_app
-from mlxmtp.testing.fixtures import write_hf_checkpoint
+from server_helpers import Hook
 
 SMALL_CONTEXT = 512  # the over-context server: the same bodies no longer fit
 
@@ -110,27 +106,22 @@ def codex_body(last_user: str, *, history: bool = False) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return load(str(write_hf_checkpoint(tmp_path_factory.mktemp("agents") / "model", "qwen3_5")))
+SCRIPTS = {
+    "cc": ('<think>\nRead the file.\n</think>\n\nReading it.\n\n<tool_call>\n{"name": "Read", "arguments": '
+           '{"file_path": "/repo/a.py"}}\n</tool_call>'),
+    "codex": ('<think>\nList files.\n</think>\n\n<tool_call>\n{"name": "shell", "arguments": '
+              '{"command": ["ls", "-la"]}}\n</tool_call>'),
+    "text": "All done.",
+}
 
 
 @pytest.fixture(scope="module")
-def servers(loaded):
-    model, tok = loaded
-    hook = Hook(tok)
-    hook.scripts.update({
-        "cc": ('<think>\nRead the file.\n</think>\n\nReading it.\n\n<tool_call>\n{"name": "Read", "arguments": '
-               '{"file_path": "/repo/a.py"}}\n</tool_call>'),
-        "codex": ('<think>\nList files.\n</think>\n\n<tool_call>\n{"name": "shell", "arguments": '
-                  '{"command": ["ls", "-la"]}}\n</tool_call>'),
-        "text": "All done.",
-    })
+def servers(start_server, server_model):
+    hook = Hook(server_model[1], SCRIPTS)
     # The fixture tokenizer has few merges (~1 token a byte): 22 tools are ~6k tokens.
-    big = ServerThread(create_app(model, tok, request_hook=hook, context_length=16384))  # id: mlxmtp-demo
-    small = ServerThread(create_app(model, tok, request_hook=hook, context_length=SMALL_CONTEXT))
-    with big, small:
-        yield big, small
+    big = start_server(hook=hook, context_length=16384)  # id: mlxmtp-demo
+    small = start_server(hook=hook, context_length=SMALL_CONTEXT)
+    return big, small
 
 
 def events_of(text: str):

@@ -15,15 +15,13 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
-from server_helpers import Hook, ServerThread
+from server_helpers import Hook
 
-from mlxmtp.models.load import load
 from mlxmtp.server import generation
-from mlxmtp.server.app import create_app
 from mlxmtp.server.chat import tool_call_opening
 from mlxmtp.server.reasoning import OutputSplitter
 from mlxmtp.server.thinking_budget import budget_processor
-from mlxmtp.testing.fixtures import CHAT_TEMPLATE, write_hf_checkpoint, write_tokenizer
+from mlxmtp.testing.fixtures import CHAT_TEMPLATE, write_tokenizer
 
 MODEL = "fixture"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -70,26 +68,17 @@ class Recorder(Hook):
             req.params.logits_processors.append(slow)
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return load(str(write_hf_checkpoint(tmp_path_factory.mktemp("feat") / "model", "qwen3_5")))
-
-
-def _serve(model, tok, **kw):
-    hook = Recorder(tok)
-    srv = ServerThread(create_app(model, tok, model_id=MODEL, request_hook=hook, **kw))
-    srv.hook = hook
-    return srv
+def _serve(start_server, tok, **kw):
+    return start_server(hook=Recorder(tok), tok=tok, model_id=MODEL, **kw)
 
 
 @pytest.fixture(scope="module")
-def server(loaded):
-    with _serve(*loaded, aliases=["my-alias"]) as srv:
-        yield srv
+def server(start_server, server_model):
+    return _serve(start_server, server_model[1], aliases=["my-alias"])
 
 
 @pytest.fixture(scope="module")
-def qwen35(loaded, tmp_path_factory):
+def qwen35(start_server, tmp_path_factory):
     """A Qwen3.5-like template: opens <think> in the generation prompt, and takes a system
     message only first."""
     from mlx_lm.tokenizer_utils import load as load_tok
@@ -97,8 +86,7 @@ def qwen35(loaded, tmp_path_factory):
     path = write_tokenizer(tmp_path_factory.mktemp("tok35"))
     tok = load_tok(path)
     tok._tokenizer.chat_template = CHAT_TEMPLATE.replace(*OPENS_THINK).replace(*SYSTEM_FIRST_ONLY)
-    with _serve(loaded[0], tok) as srv:
-        yield srv
+    return _serve(start_server, tok)
 
 
 def clients(srv):

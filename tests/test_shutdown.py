@@ -9,7 +9,6 @@ stream with max_tokens 10**6 (capped by the server at the context room, ~4k toke
 still running when the grace period ends.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -17,26 +16,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import load_bench_module
 
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 GRACE = 2.0
-
-
-def _bench_load():
-    spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _bench_load()
+bench = load_bench_module()
 ServerProcess = bench.ServerProcess
 
 

@@ -7,45 +7,144 @@ the end of a finished request), the MTP head's cache and its pending inputs, and
 logits after the last token. A hit restores all of it and prefills only the rest,
 so hit and miss give the same output. Bounded by bytes, least recently used first out.
 Arrays are immutable: storing an entry holds references, it copies nothing.
+
+Lookups walk a radix trie of the stored sequences, so a lookup costs the prompt's
+length, not the number of entries times it. mlx-lm's LRUPromptCache / PromptTrie
+(mlx_lm.models.cache) do not fit these entries: their lookup answers with a deep copy
+of a plain prompt cache plus the tokens left (ours also carries the head's cache, its
+pending inputs and the logits), may trim a longer entry back (recurrent state cannot
+be), skips a one-token prefix, has no notion of an entry usable only as a strict prefix
+(ours stored without logits), and evicts by message type and entry count rather than
+least recently used under a byte budget. The trie here is
+compressed (an edge holds a run of tokens), so it has at most two nodes per entry
+however long the prompts are.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from . import mlx_lm_adapter as adapter
 
+Tokens = Tuple[int, ...]
+
 
 @dataclass
 class PrefixEntry:
-    tokens: Tuple[int, ...]
+    tokens: Tokens
     cache: list
     head_cache: Optional[list]
     pend_h: Optional[mx.array]  # [n, H] head inputs not yet consumed
     pend_t: List[int]
-    last_logits: mx.array  # [V] after the last token
+    last_logits: mx.array  # [V] after the last token; size 0: stored without (a strict prefix only)
     nbytes: int
+
+
+class _Node:
+    """A trie node: the entry stored for the sequence that ends here, if any, and the
+    edges on, keyed by their first token."""
+
+    __slots__ = ("entry", "edges")
+
+    def __init__(self) -> None:
+        self.entry: Optional[PrefixEntry] = None
+        self.edges: Dict[int, Tuple[Tokens, "_Node"]] = {}  # first token -> (the edge's tokens, child)
+
+
+class PrefixTrie:
+    """Stored token sequences in a radix trie. Every node but the root holds an entry or
+    branches (two or more edges): removal merges what would break that."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def prefixes(self, tokens: Tokens) -> List[PrefixEntry]:
+        """The entries whose sequence is a prefix of `tokens` (or equals it), shortest first."""
+        found: List[PrefixEntry] = []
+        node, depth = self.root, 0
+        while True:
+            if node.entry is not None:
+                found.append(node.entry)
+            edge = node.edges.get(tokens[depth]) if depth < len(tokens) else None
+            if edge is None:
+                return found
+            label, child = edge
+            end = depth + len(label)
+            if tokens[depth:end] != label:
+                return found
+            node, depth = child, end
+
+    def insert(self, entry: PrefixEntry) -> None:
+        key = entry.tokens
+        node, depth = self.root, 0
+        while depth < len(key):
+            edge = node.edges.get(key[depth])
+            if edge is None:
+                leaf = _Node()
+                leaf.entry = entry
+                node.edges[key[depth]] = (key[depth:], leaf)
+                return
+            label, child = edge
+            common = _common_length(label, key, depth)
+            if common < len(label):  # the key leaves the edge part way: split it there
+                mid = _Node()
+                mid.edges[label[common]] = (label[common:], child)
+                node.edges[key[depth]] = (label[:common], mid)
+                child = mid
+            node, depth = child, depth + common
+        node.entry = entry
+
+    def remove(self, key: Tokens) -> None:
+        path: List[Tuple[_Node, int]] = []  # (parent, the first token of the edge taken)
+        node, depth = self.root, 0
+        while depth < len(key):
+            label, child = node.edges[key[depth]]
+            path.append((node, key[depth]))
+            node, depth = child, depth + len(label)
+        node.entry = None
+        # Drop a node left with nothing; merge one left with a single edge into its parent's edge.
+        while path and node.entry is None and len(node.edges) < 2:
+            parent, first = path.pop()
+            label, _ = parent.edges[first]
+            if node.edges:
+                (rest, grandchild), = node.edges.values()
+                parent.edges[first] = (label + rest, grandchild)
+                return
+            del parent.edges[first]
+            node = parent
+
+
+def _common_length(label: Tokens, key: Tokens, start: int) -> int:
+    """How many leading tokens of `label` match `key` from `start`."""
+    if key[start:start + len(label)] == label:
+        return len(label)
+    n = 0
+    for a, b in zip(label, key[start:]):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.entries: "OrderedDict[Tuple[int, ...], PrefixEntry]" = OrderedDict()
+        self.entries: "OrderedDict[Tokens, PrefixEntry]" = OrderedDict()  # least recently used first
+        self.trie = PrefixTrie()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
 
-    def lookup(self, prompt: List[int]) -> Optional[PrefixEntry]:
+    def lookup(self, prompt: Sequence[int]) -> Optional[PrefixEntry]:
         """The longest stored sequence that is a prefix of `prompt` (it may equal it)."""
+        key = tuple(prompt)
         best = None
-        for key, entry in self.entries.items():
-            n = len(key)
-            usable = n < len(prompt) or entry.last_logits.size > 0  # equal length needs the logits
-            if usable and n <= len(prompt) and (best is None or n > len(best.tokens)) and tuple(prompt[:n]) == key:
+        for entry in self.trie.prefixes(key):
+            if len(entry.tokens) < len(key) or entry.last_logits.size > 0:  # equal length needs the logits
                 best = entry
         if best is None:
             self.misses += 1
@@ -68,8 +167,11 @@ class PrefixCache:
         nbytes += (pend_h.nbytes if pend_h is not None else 0) + last_logits.nbytes
         if nbytes > self.max_bytes:
             return
-        self.entries[key] = PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)
+        entry = PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)
+        self.entries[key] = entry
+        self.trie.insert(entry)
         self.bytes += nbytes
         while self.bytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
+            self.trie.remove(old.tokens)
             self.bytes -= old.nbytes

@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import AsyncIterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
-from ..engine.request import Request
 from .chat import Prompt, anthropic_messages, anthropic_tools, build_prompt
 from .errors import APIError
-from .generation import Generation, finish_error, output_budget
-from .openai_api import SSE_HEADERS, _collect, _guarded
+from .generation import Generation
+from .request_path import Reply, check_model, handle, new_generation, sse_event
 from .thinking_budget import add_budget
-from .validation import (
-    anthropic_tool_choice,
-    field,
-    num_draft,
-    parse_json_body,
-    sampling_params,
-    string_list,
-)
-
-
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+from .validation import anthropic_tool_choice, field, parse_json_body, sampling_params, string_list
 
 
 def _stop_reason(gen: Generation) -> str:
@@ -56,6 +44,7 @@ def _tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
+# ------------------------------------------------------------------ request
 def _thinking(body: dict) -> Tuple[Optional[bool], Optional[int]]:
     """-> (enable_thinking for the template, None: its default; the reasoning budget or None)."""
     thinking = field(body, "thinking", dict)
@@ -71,17 +60,10 @@ def _thinking(body: dict) -> Tuple[Optional[bool], Optional[int]]:
     raise APIError(400, "thinking.type: must be 'enabled', 'adaptive' or 'disabled'")
 
 
-def _check_model(state, body: dict) -> str:
-    """The model name the response reports: the one the client asked for."""
-    model = field(body, "model", str, required=True)
-    if not state.knows_model(model):
-        raise APIError(404, f"model: {model} (this server serves '{state.model_id}')")
-    return model
-
-
-def _conversation(state, body: dict) -> Tuple[Prompt, Optional[List[dict]]]:
-    """-> (the prompt, the tools the model sees). Shared by messages and count_tokens."""
-    _check_model(state, body)
+def _conversation(state, body: dict) -> Tuple[str, Prompt, Optional[List[dict]]]:
+    """-> (the model name asked for, the prompt, the tools the model sees). Shared by
+    messages and count_tokens."""
+    model = check_model(state, body, anthropic=True)
     if "messages" not in body:
         raise APIError(400, "messages: field required")
     msgs = anthropic_messages(body.get("system"), body["messages"])
@@ -90,54 +72,30 @@ def _conversation(state, body: dict) -> Tuple[Prompt, Optional[List[dict]]]:
     if choice == "none":
         tools = None
     prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], tool_choice=choice)
-    return prompt, tools
+    return model, prompt, tools
 
 
-def _prepare(state, raw: bytes):
-    """Body -> (Generation, stream?): validation and templating, run off the event loop.
-    Unknown fields (beta features such as context_management, output_config) are ignored."""
+def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
+    """Unknown fields (beta features such as context_management, output_config) are ignored."""
     body = parse_json_body(raw)
     max_tokens = field(body, "max_tokens", int, required=True, minimum=1)
-    prompt, tools = _conversation(state, body)
+    model, prompt, tools = _conversation(state, body)
     stop = string_list(body, "stop_sequences")
     stream = field(body, "stream", bool, default=False)
     params = sampling_params(body, state.vocab_size, anthropic=True)
-    ids = prompt.ids
-    req = Request(prompt=ids, max_tokens=output_budget(state, len(ids), max_tokens, anthropic=True), params=params,
-                  stop=stop, num_draft=num_draft(body))
+    gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools), stop=stop,
+                         anthropic=True)
     if not prompt.opening:  # a forced tool call has no reasoning to bound
-        add_budget(req, state.tok, _thinking(body)[1], prompt.in_think)
-    gen = Generation(state, req, splitter=prompt.splitter(tools), body=body)
-    return gen, stream
+        add_budget(gen.req, state.tok, _thinking(body)[1], prompt.in_think)
+    return gen, MessageReply(model, stream)
 
 
 async def messages(request: HTTPRequest):
-    state = request.app.state.server
-    gen, stream = await state.off_loop(_prepare, state, await request.body())
-    gen.start()
-    mid = "msg_" + uuid.uuid4().hex[:24]
-    model = gen.body["model"]  # answered under the name the client used
-    if stream:
-        return StreamingResponse(_guarded(gen, _stream(gen, mid, model)), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    await _collect(gen, request)
-    if gen.error:
-        raise finish_error(gen)
-    content: List[dict] = []
-    for kind, value in gen.pieces:
-        if kind == "reasoning":
-            content.append({"type": "thinking", "thinking": value, "signature": ""})
-        elif kind == "content":
-            content.append({"type": "text", "text": value})
-        else:
-            content.append({"type": "tool_use", "id": _tool_id(), "name": value["name"], "input": value["arguments"]})
-    return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
-                         "content": _merge_blocks(content), "stop_reason": _stop_reason(gen),
-                         "stop_sequence": gen.stop_sequence(), "usage": _usage(gen)})
+    return await handle(request, _prepare)
 
 
 def _count(state, raw: bytes) -> int:
-    return len(_conversation(state, parse_json_body(raw))[0].ids)
+    return len(_conversation(state, parse_json_body(raw))[1].ids)
 
 
 async def count_tokens(request: HTTPRequest):
@@ -146,6 +104,7 @@ async def count_tokens(request: HTTPRequest):
     return JSONResponse({"input_tokens": await state.off_loop(_count, state, await request.body())})
 
 
+# ------------------------------------------------------------------ output
 def _merge_blocks(blocks: List[dict]) -> List[dict]:
     out: List[dict] = []
     for b in blocks:
@@ -158,54 +117,89 @@ def _merge_blocks(blocks: List[dict]) -> List[dict]:
     return out
 
 
-async def _stream(gen: Generation, mid: str, model: str) -> AsyncIterator[str]:
-    yield _event("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}})
-    yield _event("ping", {"type": "ping"})
-    index, open_kind = -1, None
+def _content_block(kind: str, value) -> dict:
+    if kind == "reasoning":
+        return {"type": "thinking", "thinking": value, "signature": ""}
+    if kind == "content":
+        return {"type": "text", "text": value}
+    return {"type": "tool_use", "id": _tool_id(), "name": value["name"], "input": value["arguments"]}
 
-    def close():
-        return _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
-    async for pieces, ev in gen.updates(keepalive=True):
-        if ev is None:  # no token yet (a long prefill): keep the connection alive
-            yield _event("ping", {"type": "ping"})
-            continue
+class MessageReply(Reply):
+    """The message object, or its stream: a content block per run of text, of thinking,
+    and per tool call."""
+
+    def __init__(self, model: str, stream: bool):
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.model = model  # answered under the name the client used
+        self.stream = stream
+        self.index = -1  # the current content block
+        self.open_kind: Optional[str] = None  # the kind of piece the open block holds
+
+    def response(self, gen: Generation) -> dict:
+        content = [_content_block(kind, value) for kind, value in gen.pieces]
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": _merge_blocks(content), "stop_reason": _stop_reason(gen),
+                "stop_sequence": gen.stop_sequence(), "usage": _usage(gen)}
+
+    def opening(self, gen: Generation) -> List[str]:
+        return [sse_event("message_start", {"type": "message_start", "message": {
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}}),
+                self.keepalive()]
+
+    def keepalive(self) -> str:
+        return sse_event("ping", {"type": "ping"})
+
+    def update(self, gen: Generation, pieces, ev) -> List[str]:
+        out: List[str] = []
         for kind, value in pieces:
-            if kind == "tool_call":
-                if open_kind is not None:
-                    yield close()
-                index += 1
-                yield _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
-                    "type": "tool_use", "id": _tool_id(), "name": value["name"], "input": {}}})
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(value["arguments"], ensure_ascii=False)}})
-                yield close()
-                open_kind = None
-                continue
-            if kind != open_kind:
-                if open_kind is not None:
-                    yield close()
-                index += 1
-                open_kind = kind
-                block = {"type": "text", "text": ""} if kind == "content" else \
-                    {"type": "thinking", "thinking": "", "signature": ""}
-                yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                     "content_block": block})
-            delta = {"type": "text_delta", "text": value} if kind == "content" else \
-                {"type": "thinking_delta", "thinking": value}
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-        if ev.finish_reason is not None:
-            if open_kind is not None:
-                yield close()
-                open_kind = None
-            if gen.error:
-                yield _event("error", {"type": "error", "error": {"type": "api_error", "message": gen.error}})
-                return
-            yield _event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": _stop_reason(gen),
-                                                     "stop_sequence": gen.stop_sequence()},
-                                           "usage": {"output_tokens": gen.completion_tokens, "mtp": gen.mtp_usage()}})
-            yield _event("message_stop", {"type": "message_stop"})
+            out += self._tool_use(value) if kind == "tool_call" else self._text(kind, value)
+        return out
+
+    def finish(self, gen: Generation) -> List[str]:
+        out = self._close()
+        if gen.error:
+            return out + [sse_event("error", {"type": "error", "error": {"type": "api_error", "message": gen.error}})]
+        return out + [
+            sse_event("message_delta", {"type": "message_delta",
+                                        "delta": {"stop_reason": _stop_reason(gen),
+                                                  "stop_sequence": gen.stop_sequence()},
+                                        "usage": {"output_tokens": gen.completion_tokens,
+                                                  "mtp": gen.mtp_usage()}}),
+            sse_event("message_stop", {"type": "message_stop"})]
+
+    def _close(self) -> List[str]:
+        if self.open_kind is None:
+            return []
+        self.open_kind = None
+        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _start(self, block: dict) -> List[str]:
+        out = self._close()
+        self.index += 1
+        return out + [sse_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                        "content_block": block})]
+
+    def _delta(self, delta: dict) -> str:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def _tool_use(self, call: dict) -> List[str]:
+        out = self._start({"type": "tool_use", "id": _tool_id(), "name": call["name"], "input": {}})
+        out.append(self._delta({"type": "input_json_delta",
+                                "partial_json": json.dumps(call["arguments"], ensure_ascii=False)}))
+        out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        return out
+
+    def _text(self, kind: str, value: str) -> List[str]:
+        out: List[str] = []
+        if kind != self.open_kind:
+            block = {"type": "text", "text": ""} if kind == "content" else \
+                {"type": "thinking", "thinking": "", "signature": ""}
+            out = self._start(block)
+            self.open_kind = kind
+        delta = {"type": "text_delta", "text": value} if kind == "content" else \
+            {"type": "thinking_delta", "thinking": value}
+        out.append(self._delta(delta))
+        return out

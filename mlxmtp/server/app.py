@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -73,28 +73,22 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
     name asked for) unless `strict_model_name`: then only the model id and its aliases."""
-    att = getattr(model, "mtp", None)
     _materialize(model)
-    mtp_active = bool(enable_mtp and att is not None and att.active)
-    reason = None if mtp_active else (att.disabled_reason if att is not None and att.disabled_reason
-                                      else "disabled by the server options" if att is not None else "no MTP head")
+    mtp_active, reason = _mtp_status(model, enable_mtp)
     metrics = Metrics()
 
     def make_engine():
         return BatchGenerator(model, tok, enable_mtp=mtp_active, num_draft=num_draft, max_batch=max_concurrent,
-                            prefix_cache_bytes=int(prefix_cache_mb) * 2**20)
+                              prefix_cache_bytes=int(prefix_cache_mb) * 2**20)
 
     bridge = EngineBridge(make_engine, metrics)
     model_id = model_id or "mlxmtp-demo"
-    names = set(aliases)
-    if "/" in model_id or Path(model_id).name != model_id:
-        names.add(Path(model_id).name)  # a local path also answers to its folder name
     args = text_parts(model).args
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
                         mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
                         context_length=context_length or args.max_position_embeddings,
-                        max_prompt_tokens=max_prompt_tokens, aliases=names, request_hook=request_hook,
-                        strict_model_name=strict_model_name)
+                        max_prompt_tokens=max_prompt_tokens, aliases=_served_aliases(model_id, aliases),
+                        request_hook=request_hook, strict_model_name=strict_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -103,6 +97,31 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
             yield
         finally:
             bridge.stop()
+
+    app = Starlette(routes=_routes(state), lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
+    app.state.server = state
+    return _Outer(app, state, api_key, int(max_body_mb * 2**20))
+
+
+def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:
+    """-> (whether the server drafts with the MTP head, why not when it does not)."""
+    att = getattr(model, "mtp", None)
+    if enable_mtp and att is not None and att.active:
+        return True, None
+    if att is None:
+        return False, "no MTP head"
+    return False, att.disabled_reason or "disabled by the server options"
+
+
+def _served_aliases(model_id: str, aliases: Sequence[str]) -> set:
+    names = set(aliases)
+    if "/" in model_id or Path(model_id).name != model_id:
+        names.add(Path(model_id).name)  # a local path also answers to its folder name
+    return names
+
+
+def _routes(state: ServerState) -> List[Route]:
+    bridge = state.bridge
 
     async def health(request: HTTPRequest):
         return JSONResponse({"status": "ok", "model": state.model_id, "mtp_active": state.mtp_active,
@@ -113,9 +132,9 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
         return JSONResponse({"status": "ok", "server": "mlxmtp", "model": state.model_id})
 
     async def metrics_endpoint(request: HTTPRequest):
-        return Response(metrics.render(), media_type=metrics.content_type)
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    routes = [
+    return [
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -128,20 +147,22 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
         Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
     ]
 
-    async def api_error(request: HTTPRequest, exc: APIError):
-        return error_response(exc, request.url.path)
 
-    async def http_error(request: HTTPRequest, exc: HTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
+# Errors in the shape of the API the path belongs to.
+async def _api_error(request: HTTPRequest, exc: APIError):
+    return error_response(exc, request.url.path)
 
-    async def server_error(request: HTTPRequest, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
 
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
-    app.state.server = state
-    return _Outer(app, state, api_key, int(max_body_mb * 2**20))
+async def _http_error(request: HTTPRequest, exc: HTTPException):
+    return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
+
+
+async def _server_error(request: HTTPRequest, exc: Exception):
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+
+
+_EXCEPTION_HANDLERS = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
 
 
 def _materialize(model) -> None:

@@ -45,7 +45,9 @@ def _text_of(content: Any, where: str) -> str:
     raise APIError(400, f"{where}: 'content' must be a string or an array of parts", param="messages")
 
 
-def _arguments(args: Any) -> Any:
+def tool_arguments(args: Any) -> Any:
+    """A tool call's arguments as the templates want them: a JSON object string parsed to
+    a dict; anything else unparseable kept as sent."""
     if isinstance(args, str):
         try:
             parsed = json.loads(args) if args.strip() else {}
@@ -84,7 +86,7 @@ def openai_messages(messages: Any) -> List[Message]:
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                         raise APIError(400, f"{where}: each tool call needs function.name", param="messages")
                     msg["tool_calls"].append({"id": c.get("id"), "type": "function", "function": {
-                        "name": fn["name"], "arguments": _arguments(fn.get("arguments"))}})
+                        "name": fn["name"], "arguments": tool_arguments(fn.get("arguments"))}})
         if role == "tool":
             if m.get("tool_call_id") is not None:
                 msg["tool_call_id"] = m["tool_call_id"]
@@ -154,54 +156,62 @@ def anthropic_messages(system: Any, messages: Any) -> List[Message]:
         role = m.get("role")
         if role == "system":  # not in Anthropic's API, but clients send it: placed by render
             out.append({"role": "system", "content": anthropic_system(m.get("content"), where) or ""})
-            continue
-        if role not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}")
-        blocks = _blocks(m.get("content"), where)
-        if role == "user":
-            texts = []
-            for b in blocks:
-                kind = b.get("type")
-                if kind == "text":
-                    texts.append(str(b.get("text", "")))
-                elif kind == "tool_result":
-                    # Tool results become `tool` messages, which the template groups into
-                    # one <tool_response> user turn.
-                    text = _tool_result_text(b.get("content"), where)
-                    if b.get("is_error"):
-                        text = "Error: " + text
-                    out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
-                else:
-                    raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
-            if texts or not any(b.get("type") == "tool_result" for b in blocks):
-                out.append({"role": "user", "content": "".join(texts)})
+        elif role == "user":
+            out += _anthropic_user(_blocks(m.get("content"), where), where)
+        elif role == "assistant":
+            out.append(_anthropic_assistant(_blocks(m.get("content"), where), where))
         else:
-            msg: Message = {"role": "assistant", "content": ""}
-            texts, calls, thinking = [], [], []
-            for b in blocks:
-                kind = b.get("type")
-                if kind == "text":
-                    texts.append(str(b.get("text", "")))
-                elif kind == "thinking":
-                    thinking.append(str(b.get("thinking", "")))
-                elif kind == "redacted_thinking":
-                    continue
-                elif kind == "tool_use":
-                    if not isinstance(b.get("name"), str):
-                        raise APIError(400, f"{where}: tool_use blocks need a 'name'")
-                    calls.append({"id": b.get("id"), "type": "function",
-                                  "function": {"name": b["name"], "arguments": b.get("input") or {}}})
-                else:
-                    raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
-            msg["content"] = "".join(texts)
-            if thinking:
-                msg["reasoning_content"] = "\n".join(thinking)
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
+            raise APIError(400, f"{where}.role: must be 'user', 'assistant' or 'system', got {role!r}")
     if all(m["role"] == "system" for m in out):
         raise APIError(400, "messages: at least one user or assistant message is required")
     return out
+
+
+def _anthropic_user(blocks: List[dict], where: str) -> List[Message]:
+    """A user turn -> its tool results as `tool` messages (the template groups them into
+    one <tool_response> user turn), then its text as a user message."""
+    out: List[Message] = []
+    texts = []
+    for b in blocks:
+        kind = b.get("type")
+        if kind == "text":
+            texts.append(str(b.get("text", "")))
+        elif kind == "tool_result":
+            text = _tool_result_text(b.get("content"), where)
+            if b.get("is_error"):
+                text = "Error: " + text
+            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
+        else:
+            raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
+    if texts or not any(b.get("type") == "tool_result" for b in blocks):
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _anthropic_assistant(blocks: List[dict], where: str) -> Message:
+    """An assistant turn: text, thinking as `reasoning_content`, tool_use as `tool_calls`."""
+    texts, calls, thinking = [], [], []
+    for b in blocks:
+        kind = b.get("type")
+        if kind == "text":
+            texts.append(str(b.get("text", "")))
+        elif kind == "thinking":
+            thinking.append(str(b.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            if not isinstance(b.get("name"), str):
+                raise APIError(400, f"{where}: tool_use blocks need a 'name'")
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b["name"], "arguments": b.get("input") or {}}})
+        else:
+            raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
+    msg: Message = {"role": "assistant", "content": "".join(texts)}
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
 
 
 def anthropic_tools(tools: Any) -> Optional[List[dict]]:

@@ -1,5 +1,5 @@
-"""What both APIs share: sampling fields -> Request, and one request's run through the
-engine bridge with its output split into content / reasoning / tool calls."""
+"""One request's run through the engine bridge, its output split into content /
+reasoning / tool calls, and the output budget every API gives a prompt."""
 
 from __future__ import annotations
 
@@ -78,50 +78,59 @@ class Generation:
     async def updates(self, keepalive: bool = False) -> AsyncIterator[Tuple[List[Piece], Optional[Event]]]:
         """(pieces, event) per engine event; with `keepalive`, ([], None) each KEEPALIVE_SECONDS
         until the first token: the stream sends its API's keep-alive then."""
-        st = self.state
-        last = None
+        last = None  # when the previous tokens came
         try:
             while True:
                 ev = await self._next(keepalive)
                 if ev is None:
                     yield [], None
                     continue
-                now = time.perf_counter()
                 if ev.token_ids:
-                    if last is None:
-                        st.metrics.ttft.observe(now - self.t0)
-                    else:
-                        per = (now - last) / len(ev.token_ids)
-                        for _ in ev.token_ids:
-                            st.metrics.itl.observe(per)
-                    last = now
-                self.token_ids += ev.token_ids
-                self.raw_text += ev.text
-                if ev.logprobs:
-                    self.logprobs += ev.logprobs
-                pieces: List[Piece] = []
-                if ev.finish_reason == "error":
-                    self.error = ev.error or "generation failed"
-                if self.splitter is None:
-                    if ev.text:
-                        pieces.append(("content", ev.text))
-                else:
-                    pieces += self.splitter.feed(ev.text)
-                    if ev.finish_reason is not None:
-                        pieces += self.splitter.finish()
-                self.pieces += pieces
-                if ev.finish_reason is not None:
-                    self.finish_reason = ev.finish_reason
-                    self.stats = ev.stats
-                    if ev.stats is not None:
-                        st.metrics.on_finish(ev.stats)
+                    last = self._observe_latency(ev, last)
+                pieces = self._absorb(ev)
                 yield pieces, ev
                 if ev.finish_reason is not None:
                     return
         finally:
             if self.finish_reason is None:
                 # The client went away (or the handler failed): free the slot.
-                st.bridge.cancel(self.req.id)
+                self.state.bridge.cancel(self.req.id)
+
+    def _observe_latency(self, ev: Event, last: Optional[float]) -> float:
+        """Time to first token, or the inter-token latency spread over the event's tokens."""
+        metrics = self.state.metrics
+        now = time.perf_counter()
+        if last is None:
+            metrics.ttft.observe(now - self.t0)
+        else:
+            per = (now - last) / len(ev.token_ids)
+            for _ in ev.token_ids:
+                metrics.itl.observe(per)
+        return now
+
+    def _absorb(self, ev: Event) -> List[Piece]:
+        """Add the event to the totals; -> its output split into pieces."""
+        self.token_ids += ev.token_ids
+        self.raw_text += ev.text
+        if ev.logprobs:
+            self.logprobs += ev.logprobs
+        pieces: List[Piece] = []
+        if ev.finish_reason == "error":
+            self.error = ev.error or "generation failed"
+        if self.splitter is None:
+            if ev.text:
+                pieces.append(("content", ev.text))
+        else:
+            pieces += self.splitter.feed(ev.text)
+            if ev.finish_reason is not None:
+                pieces += self.splitter.finish()
+        self.pieces += pieces
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+            self.stats = ev.stats
+            if ev.stats is not None:
+                self.state.metrics.on_finish(ev.stats)
+        return pieces
 
     def abandon(self) -> None:
         """The consumer is gone: cancel unless finished (idempotent; cancel of a finished id is a no-op)."""

@@ -1,0 +1,356 @@
+"""The request side of /v1/responses: its body -> the chat messages and tools of
+chat.py's shape (responses_api.py has the overview and the output side).
+
+`instructions` and system/developer messages become system messages (chat.place_system
+merges the leading ones and places a later one where the template takes it), `message`
+items turns, `function_call` items an assistant turn's `tool_calls`,
+`function_call_output` items `tool` messages, and a `reasoning` item the next assistant
+turn's `reasoning_content`.
+
+Tools: `function` tools are flat (`name`, `parameters` at the top level); a `namespace`
+tool's functions are flattened for the chat template, and `Tools` maps a called name
+back to its namespace. Hosted tools (web_search, file_search, code_interpreter, ...)
+cannot run here: they are left out with a warning for the response header.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+from .chat import tool_arguments
+from .errors import APIError
+from .validation import field
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_SUMMARIES = ("auto", "concise", "detailed", "none")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_STATELESS = ("this server keeps no conversation state (nothing is stored): send the whole conversation "
+              "in 'input' instead of '{}'")
+
+
+def bad(message: str, param: str) -> APIError:
+    """A 400 that names the field at fault (what the Responses API's clients show)."""
+    return APIError(400, message, param=param)
+
+
+def _string(obj: dict, key: str, where: str, *, required: bool = True) -> Optional[str]:
+    value = obj.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or (required and not value):
+        raise bad(f"'{where}.{key}' must be a non-empty string", f"{where}.{key}")
+    return value
+
+
+# ------------------------------------------------------------------ tools
+class Tools:
+    """The request's function tools as the chat template sees them (namespaces
+    flattened, hosted tools left out) and the way back from a called name to
+    (namespace, name).
+
+    A namespaced function is shown to the model under its own name when no other tool
+    has that name, as `namespace + name` when the two read as one name (Codex's
+    `mcp__server__` + `tool`), else as `namespace.name`; the model may call any of these."""
+
+    def __init__(self) -> None:
+        self.chat: List[dict] = []
+        self.shown: Dict[Tuple[Optional[str], str], str] = {}  # (namespace, name) -> the name the model sees
+        self.calls: Dict[str, Tuple[Optional[str], str]] = {}  # a name the model calls -> (namespace, name)
+
+    def resolve(self, called: str) -> Tuple[Optional[str], str]:
+        return self.calls.get(called, (None, called))
+
+    def shown_name(self, namespace: Optional[str], name: str) -> str:
+        return self.shown.get((namespace, name)) or _joined(namespace, name)
+
+
+def _joined(namespace: Optional[str], name: str) -> str:
+    if not namespace:
+        return name
+    return namespace + name if namespace.endswith("_") or name.startswith("_") else f"{namespace}.{name}"
+
+
+def _function(t: dict, where: str, namespace: Optional[str], ns_description: Optional[str]) -> tuple:
+    name = _string(t, "name", where)
+    params = t.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise bad(f"'{where}.parameters' must be a JSON schema object", f"{where}.parameters")
+    desc = t.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise bad(f"'{where}.description' must be a string", f"{where}.description")
+    if ns_description:
+        desc = f"{desc}\n\n({namespace}: {ns_description})" if desc else f"({namespace}: {ns_description})"
+    return namespace, name, desc, params or {"type": "object", "properties": {}}
+
+
+def parse_tools(raw, warnings: List[str]) -> Tools:
+    """`tools` -> Tools; hosted tools are left out, with a line in `warnings`."""
+    tools = Tools()
+    if raw is None:
+        return tools
+    if not isinstance(raw, list):
+        raise bad("'tools' must be an array", "tools")
+    entries = []
+    for i, t in enumerate(raw):
+        entries += _tool_entries(t, f"tools[{i}]", warnings)
+    _name_tools(tools, entries)
+    return tools
+
+
+def _tool_entries(t, where: str, warnings: List[str]) -> List[tuple]:
+    """One `tools` entry -> its functions as (namespace, name, description, parameters)."""
+    if not isinstance(t, dict):
+        raise bad(f"'{where}' must be an object", where)
+    kind = t.get("type")
+    if kind == "function":
+        return [_function(t, where, None, None)]
+    if kind == "namespace":
+        return _namespace_entries(t, where, warnings)
+    if isinstance(kind, str):
+        warnings.append(f"ignored {where} of type {json.dumps(kind)[:40]}: hosted tools do not run here")
+        return []
+    raise bad(f"'{where}.type' must be a string such as 'function'", f"{where}.type")
+
+
+def _namespace_entries(t: dict, where: str, warnings: List[str]) -> List[tuple]:
+    namespace = _string(t, "name", where)
+    children = t.get("tools")
+    if not isinstance(children, list):
+        raise bad(f"'{where}.tools' must be an array of function tools", f"{where}.tools")
+    ns_desc = t.get("description") if isinstance(t.get("description"), str) else None
+    entries = []
+    for j, child in enumerate(children):
+        cw = f"{where}.tools[{j}]"
+        if not isinstance(child, dict) or not isinstance(child.get("type"), str):
+            raise bad(f"'{cw}' must be a tool object with a 'type'", cw)
+        if child["type"] == "function":
+            entries.append(_function(child, cw, namespace, ns_desc))
+        else:
+            warnings.append(f"ignored {cw} of type {json.dumps(child['type'])[:40]}: only function tools run")
+    return entries
+
+
+def _name_tools(tools: Tools, entries: List[tuple]) -> None:
+    """Fill `tools` from the functions: the name each is shown under (see Tools), the
+    chat template's tool list, and every spelling a call may come back with."""
+    bare = Counter(name for _, name, _, _ in entries)
+    for namespace, name, desc, params in entries:
+        if namespace is None or bare[name] > 1 or namespace.endswith("_") or name.startswith("_"):
+            shown = _joined(namespace, name)
+        else:
+            shown = name
+        fn = {"name": shown, "description": desc, "parameters": params}  # chat completions' key order
+        if not desc:
+            del fn["description"]
+        tools.chat.append({"type": "function", "function": fn})
+        tools.shown[(namespace, name)] = shown
+        tools.calls[shown] = (namespace, name)
+    for namespace, name, _, _ in entries:  # other spellings a model may use for a namespaced call
+        if namespace is not None:
+            for alias in (_joined(namespace, name), f"{namespace}.{name}", namespace + name, name):
+                if alias != name or bare[name] == 1:
+                    tools.calls.setdefault(alias, (namespace, name))
+
+
+def tool_choice(body: dict, tools: Tools, warnings: List[str]) -> str:
+    """-> 'auto', 'none', 'required' or the shown name of the one function to call."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}",
+                       "tool_choice")
+        if choice == "required" and not tools.chat:
+            raise bad("'tool_choice' is 'required' but 'tools' has no function tools", "tool_choice")
+        return choice
+    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
+        raise bad("'tool_choice' must be a string or an object with a 'type'", "tool_choice")
+    if choice["type"] == "function":
+        name = _string(choice, "name", "tool_choice")
+        namespace = choice.get("namespace") if isinstance(choice.get("namespace"), str) else None
+        key = (namespace, name) if namespace else tools.resolve(name)
+        if key not in tools.shown:
+            raise bad(f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice.name")
+        return tools.shown[key]
+    warnings.append(f"ignored tool_choice of type {json.dumps(choice['type'])[:40]}")
+    return "auto"
+
+
+# ------------------------------------------------------------------ input -> chat messages
+def _text(content, where: str, *, tool_output: bool = False) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"'{where}' must be a string or an array of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        pw = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(f"'{pw}' must be a content part object", pw)
+        kind = part.get("type")
+        if kind in _TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise bad(f"'{pw}.text' must be a string", f"{pw}.text")
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif tool_output and isinstance(kind, str):
+            texts.append(f"[{kind} omitted: this server reads text only]")
+        else:
+            raise bad(f"'{pw}.type' {kind!r} is not supported (text parts only: input_text, output_text)",
+                       f"{pw}.type")
+    return "".join(texts)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad(f"'{where}.{key}' must be an array", f"{where}.{key}")
+        texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if texts:
+            return "\n".join(texts)
+    return ""
+
+
+def input_messages(body: dict, tools: Tools) -> List[dict]:
+    """`instructions` + `input` -> chat messages. System and developer messages stay system
+    messages where they are: render (chat.place_system) merges the leading ones into the
+    system prompt and places a later one as the template allows."""
+    instructions = field(body, "instructions", str)
+    turns = _Turns(tools)
+    if instructions:
+        turns.messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate(_input_items(body)):
+        turns.add(item, f"input[{i}]")
+    if not any(m["role"] != "system" for m in turns.messages):
+        raise bad("'input' has no user, assistant or tool turn", "input")
+    return turns.messages
+
+
+def _input_items(body: dict) -> List:
+    """`input`: a string (one user message) or a non-empty array of items."""
+    raw = body.get("input")
+    if raw is None:
+        raise bad("'input' is a required field", "input")
+    if isinstance(raw, str):
+        raw = [{"type": "message", "role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad("'input' must be a string or a non-empty array of input items", "input")
+    return raw
+
+
+class _Turns:
+    """Input items -> chat messages, one item at a time. A reasoning item waits for the
+    assistant turn it belongs to (the next one)."""
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self.messages: List[dict] = []
+        self.reasoning: List[str] = []
+
+    def add(self, item, where: str) -> None:
+        if not isinstance(item, dict):
+            raise bad(f"'{where}' must be an input item object", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            self._message(item, where)
+        elif kind == "function_call":
+            self._function_call(item, where)
+        elif kind == "function_call_output":
+            self._function_call_output(item, where)
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            if text:
+                self.reasoning.append(text)
+        else:
+            raise bad(f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output, "
+                      "reasoning)", f"{where}.type")
+
+    def _assistant(self, content: str) -> dict:
+        msg = {"role": "assistant", "content": content}
+        if self.reasoning:
+            msg["reasoning_content"] = "\n".join(self.reasoning)
+            self.reasoning.clear()
+        self.messages.append(msg)
+        return msg
+
+    def _message(self, item: dict, where: str) -> None:
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise bad(f"'{where}.role' must be 'user', 'assistant', 'system' or 'developer', got {role!r}",
+                      f"{where}.role")
+        if "content" not in item:
+            raise bad(f"'{where}.content' is a required field", f"{where}.content")
+        text = _text(item["content"], f"{where}.content")
+        if role in ("system", "developer"):
+            self.messages.append({"role": "system", "content": text})
+        elif role == "assistant":
+            self._assistant(text)
+        else:
+            self.messages.append({"role": "user", "content": text})
+
+    def _function_call(self, item: dict, where: str) -> None:
+        """A call joins the assistant turn before it, or opens one (also when reasoning waits)."""
+        call_id = _string(item, "call_id", where)
+        name = _string(item, "name", where)
+        args = item.get("arguments")
+        if not isinstance(args, str):
+            raise bad(f"'{where}.arguments' must be a JSON string", f"{where}.arguments")
+        namespace = _string(item, "namespace", where, required=False)
+        call = {"id": call_id, "type": "function",
+                "function": {"name": self.tools.shown_name(namespace, name), "arguments": tool_arguments(args)}}
+        last = self.messages[-1] if self.messages else None
+        if last is None or last["role"] != "assistant" or self.reasoning:
+            last = self._assistant("")
+        last.setdefault("tool_calls", []).append(call)
+
+    def _function_call_output(self, item: dict, where: str) -> None:
+        call_id = _string(item, "call_id", where)
+        if "output" not in item:
+            raise bad(f"'{where}.output' is a required field", f"{where}.output")
+        output = _text(item["output"], f"{where}.output", tool_output=True)
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+
+def thinking_flag(state, body: dict) -> Optional[bool]:
+    """reasoning.effort 'none' / 'minimal' -> thinking off, other efforts on, where the
+    chat template has enable_thinking; otherwise the template's default."""
+    reasoning = field(body, "reasoning", dict)
+    if reasoning is None:
+        return None
+    effort = field(reasoning, "effort", str, label="reasoning.effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise bad(f"'reasoning.effort' must be one of {', '.join(_EFFORTS)}, got {effort!r}", "reasoning.effort")
+    summary = field(reasoning, "summary", str, label="reasoning.summary")
+    if summary is not None and summary not in _SUMMARIES:
+        raise bad(f"'reasoning.summary' must be one of {', '.join(_SUMMARIES)}, got {summary!r}",
+                   "reasoning.summary")
+    if effort is None or "enable_thinking" not in str(getattr(state.tok, "chat_template", None) or ""):
+        return None
+    return effort not in ("none", "minimal")
+
+
+def check_accepted(body: dict) -> None:
+    """Fields accepted and ignored still get their type checked; state is refused."""
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            raise bad(_STATELESS.format(name), name)
+    if field(body, "background", bool):
+        raise bad("background responses are not supported (nothing is stored to poll)", "background")
+    if body.get("prompt") is not None:
+        raise bad("stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'", "prompt")
+    for name, kind in (("store", bool), ("metadata", dict), ("user", str), ("parallel_tool_calls", bool),
+                       ("text", dict), ("max_tool_calls", int)):
+        field(body, name, kind)
+    truncation = field(body, "truncation", str)
+    if truncation is not None and truncation not in ("auto", "disabled"):
+        raise bad(f"'truncation' must be 'auto' or 'disabled', got {truncation!r}", "truncation")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(s, str) for s in include)):
+        raise bad("'include' must be an array of strings", "include")

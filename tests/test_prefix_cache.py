@@ -1,0 +1,136 @@
+"""PrefixCache on its own: the trie's longest-prefix match, LRU eviction under the byte
+budget, and the trie staying consistent with the entries through inserts and removals.
+The stored states are tiny ArraysCaches whose byte size the test chooses."""
+
+import random
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from mlxmtp.engine.prefix_cache import PrefixCache
+
+NO_LOGITS = mx.zeros((0,), dtype=mx.uint8)
+LOGITS = mx.zeros((4,), dtype=mx.uint8)  # 4 bytes
+
+
+def state(nbytes):
+    c = ArraysCache(1)
+    c.cache = [mx.zeros((nbytes,), dtype=mx.uint8)]
+    return [c]
+
+
+def put(pc, tokens, nbytes=10, logits=NO_LOGITS):
+    pc.store(list(tokens), state(nbytes), None, None, [], logits)
+
+
+def found(pc, prompt):
+    entry = pc.lookup(list(prompt))
+    return None if entry is None else entry.tokens
+
+
+def test_longest_prefix_wins():
+    pc = PrefixCache(1 << 20)
+    for key in [(1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6), (1, 9), (7,)]:
+        put(pc, key)
+    assert found(pc, [1, 2, 3, 4, 5, 6, 7]) == (1, 2, 3, 4, 5, 6)
+    assert found(pc, [1, 2, 3, 4, 5]) == (1, 2, 3, 4)
+    assert found(pc, [1, 2, 3]) == (1, 2)
+    assert found(pc, [1, 9, 9]) == (1, 9)
+    assert found(pc, [7, 7]) == (7,)  # a one-token prefix counts
+    assert found(pc, [1]) is None  # nothing stored is a prefix of it
+    assert found(pc, [2, 1]) is None
+    assert (pc.hits, pc.misses) == (5, 2)
+
+
+def test_equal_length_needs_the_logits():
+    pc = PrefixCache(1 << 20)
+    put(pc, (1, 2))
+    put(pc, (1, 2, 3))  # stored without logits: only a strict prefix
+    assert found(pc, [1, 2, 3]) == (1, 2)
+    assert found(pc, [1, 2, 3, 4]) == (1, 2, 3)
+    put(pc, (5, 6), logits=LOGITS)
+    assert found(pc, [5, 6]) == (5, 6)
+
+
+def test_store_copies_the_state_and_counts_its_bytes():
+    pc = PrefixCache(1 << 20)
+    cache = state(100)
+    pc.store([1, 2, 3], cache, state(20), mx.zeros((2, 3), dtype=mx.uint8), [7], LOGITS)
+    entry = pc.lookup([1, 2, 3])
+    assert entry.cache is not cache and entry.cache[0].cache[0] is cache[0].cache[0]  # new list, same arrays
+    assert entry.nbytes == pc.bytes == 100 + 20 + 6 + 4
+    assert entry.pend_t == [7]
+
+
+def test_least_recently_used_goes_first():
+    pc = PrefixCache(30)
+    put(pc, (1,))
+    put(pc, (2,))
+    put(pc, (3,))
+    assert found(pc, [1, 5]) == (1,)  # (1,) is now the most recently used
+    put(pc, (4,))  # over budget: the least recently used, (2,), leaves
+    assert list(pc.entries) == [(3,), (1,), (4,)]
+    assert found(pc, [2]) is None
+    put(pc, (3,))  # storing a key again only refreshes it
+    put(pc, (5,))
+    assert list(pc.entries) == [(4,), (3,), (5,)]
+    assert pc.bytes == 30
+
+
+def test_budget():
+    pc = PrefixCache(25)
+    put(pc, (1,), nbytes=26)  # larger than the whole budget: not stored
+    assert not pc.entries and pc.bytes == 0
+    put(pc, (1,), nbytes=10)
+    put(pc, (2,), nbytes=10)
+    put(pc, (3,), nbytes=20)  # both others must go to fit it
+    assert list(pc.entries) == [(3,)] and pc.bytes == 20
+    assert found(pc, [1, 1]) is None and found(pc, [3, 3]) == (3,)
+    off = PrefixCache(0)
+    put(off, (1,))
+    assert not off.entries
+    put(pc, ())  # an empty sequence is never stored
+    assert list(pc.entries) == [(3,)]
+
+
+def test_eviction_keeps_longer_and_shorter_neighbours():
+    pc = PrefixCache(30)
+    put(pc, (1, 2, 3))
+    put(pc, (1, 2))
+    put(pc, (1, 2, 3, 4, 5))
+    found(pc, [1, 2, 9])  # refresh (1, 2)
+    found(pc, [1, 2, 3, 4, 5, 6])  # refresh (1, 2, 3, 4, 5)
+    put(pc, (1, 2, 3, 4))  # evicts (1, 2, 3): a node in the middle of the path
+    assert set(pc.entries) == {(1, 2), (1, 2, 3, 4, 5), (1, 2, 3, 4)}
+    assert found(pc, [1, 2, 3, 9]) == (1, 2)
+    assert found(pc, [1, 2, 3, 4, 9]) == (1, 2, 3, 4)
+    assert found(pc, [1, 2, 3, 4, 5, 9]) == (1, 2, 3, 4, 5)
+
+
+def _nodes(node):
+    yield node
+    for _, child in node.edges.values():
+        yield from _nodes(child)
+
+
+def test_trie_matches_a_linear_scan_under_random_traffic():
+    rng = random.Random(0)
+    pc = PrefixCache(200)
+    base = [rng.randrange(4) for _ in range(12)]
+    for _ in range(600):
+        if rng.random() < 0.5:
+            n = rng.randrange(1, 12)
+            seq = base[:n] + [rng.randrange(4) for _ in range(rng.randrange(3))]
+            put(pc, seq, nbytes=rng.randrange(5, 40), logits=LOGITS if rng.random() < 0.5 else NO_LOGITS)
+        else:
+            prompt = base[:rng.randrange(1, 12)] + [rng.randrange(4) for _ in range(rng.randrange(3))]
+            usable = [k for k, e in pc.entries.items() if tuple(prompt[:len(k)]) == k
+                      and (len(k) < len(prompt) or e.last_logits.size > 0)]
+            want = max(usable, key=len) if usable else None
+            assert found(pc, prompt) == want, (prompt, list(pc.entries))
+        assert pc.bytes == sum(e.nbytes for e in pc.entries.values()) <= 200
+        stored = [node.entry.tokens for node in _nodes(pc.trie.root) if node.entry is not None]
+        assert sorted(stored) == sorted(pc.entries)
+        # Compressed: every node but the root holds an entry or branches.
+        assert all(node.entry is not None or len(node.edges) >= 2 for node in _nodes(pc.trie.root)
+                   if node is not pc.trie.root)
