@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxmtp.convert import mtp_folder
+from mlxmtp.checkpoint import mtp_folder
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.load import load
 

@@ -322,7 +322,7 @@ def export_hf(model, head, cfg: dict, tok, out: Path, meta: dict) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxmtp.convert.hf_head import is_zero_centred_norm
+    from mlxmtp.checkpoint.hf_head import is_zero_centred_norm
     from mlxmtp.testing.fixtures import _write_json, save_safetensors_shards
 
     if out.exists():
@@ -500,7 +500,7 @@ def cmd_finetune_head(args) -> None:
     from tokenizers import Tokenizer
 
     import mlxmtp
-    from mlxmtp.convert.hf_head import checkpoint_weight_map, is_zero_centred_norm
+    from mlxmtp.checkpoint.hf_head import checkpoint_weight_map, is_zero_centred_norm
     from mlxmtp.testing.fixtures import save_safetensors_shards
 
     t_start = time.perf_counter()
@@ -640,7 +640,7 @@ def half_precision_copy(hf: Path, out: Path) -> Path:
     Qwen3.5 checkpoints): the source of both the MLX conversion and the head injection."""
     import mlx.core as mx
 
-    from mlxmtp.convert.hf_head import checkpoint_weight_map
+    from mlxmtp.checkpoint.hf_head import checkpoint_weight_map
     from mlxmtp.testing.fixtures import save_safetensors_shards
 
     if out.exists():
@@ -676,10 +676,10 @@ def cmd_package(args) -> None:
         # Same library calls the command is built on: HF mtp.* -> mlx naming (+1 on the
         # zero-centred norms, once) -> `mtp/` folder, float16 like the model.
         print("add-mtp-weights failed (" + (r.stderr.strip().splitlines() or ["?"])[-1]
-              + "); writing mtp/ with mlxmtp.convert directly")
+              + "); writing mtp/ with mlxmtp.checkpoint directly")
         import mlx.core as mx
 
-        from mlxmtp.convert import hf_head, mtp_folder
+        from mlxmtp.checkpoint import hf_head, mtp_folder
 
         weights, info = hf_head.convert_hf_head(hf_head.load_mtp_tensors(hf16))
         weights = {k: v.astype(mx.float16) for k, v in weights.items()}

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
+from mlxmtp.checkpoint import hf_head, mtp_folder
 from mlxmtp.convert import add_mtp_weights as amw
-from mlxmtp.convert import hf_head, mtp_folder
 from mlxmtp.convert.cli import add_mtp_weights as cli
 from mlxmtp.engine.generate import generate
 from mlxmtp.models import load as L

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from engine_helpers import prompt_of, reference_greedy
 from test_sampling_exact import CHI2_999, chi2_quantile, chi2_two_sample
 
+from mlxmtp.checkpoint import token_list
 from mlxmtp.cli import main as cli
-from mlxmtp.convert import token_list
 from mlxmtp.convert.add_mtp_weights import add_mtp_weights
 from mlxmtp.convert.draft_vocab_cli import _tokenizer_and_config
 from mlxmtp.engine.batch import BatchGenerator

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from mlxmtp.checkpoint import hf_head, mtp_folder
 from mlxmtp.cli import main as cli
-from mlxmtp.convert import hf_head, mtp_folder
 from mlxmtp.models.load import MissingMTPHeadError, MTPLoadError, load
 from mlxmtp.testing.fixtures import FAMILIES, write_hf_checkpoint
 

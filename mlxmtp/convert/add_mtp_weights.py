@@ -2,9 +2,9 @@
 
 plan      -> which source shards hold `mtp.*`, what the head becomes, how it is quantized;
 validate  -> source config / tensor shapes / dtypes / norms against the target, refuse mismatches;
-convert   -> HF `mtp.*` -> MTPHead parameters (as `hf_head.convert_hf_head`: +1 norm shift once,
-             experts stacked or split), quantized like the target, on the CPU, one tensor
-             (and at most CHUNK_BYTES of source) at a time;
+convert   -> HF `mtp.*` -> MTPHead parameters (the mapping of `checkpoint.hf_head`: +1 norm
+             shift once, experts stacked or split), quantized like the target, on the CPU,
+             one tensor (and at most CHUNK_BYTES of source) at a time;
 write     -> `mtp_folder.write_mtp_folder` (temporary folder, then one rename).
 
 The model's own shards are never touched: the head lives in `MODEL_DIR/mtp/`.
@@ -24,9 +24,17 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import snapshot_download
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+from tqdm.auto import tqdm
 
-from . import hf_head, mtp_folder
+from ..checkpoint import hf_head, mtp_folder
+from ..checkpoint.tensor_files import ST_DTYPES, TensorFileError, TensorReader, nbytes
+from ..models.family import UnsupportedModelError, family_of, text_config, text_parts
+from ..models.load import MTPLoadError, build_head, check_norm_convention
+from ..models.mtp_head import MTPHead
 
 # Source bytes read per step when stacking / slicing experts (bounded memory).
 CHUNK_BYTES = 64 << 20
@@ -34,11 +42,6 @@ CHUNK_BYTES = 64 << 20
 # mlx-lm's defaults per quantization mode (utils.quantize_model: defaults_for_mode).
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 
-_ST_DTYPES = {
-    "BF16": (np.uint16, mx.bfloat16, "bfloat16"),
-    "F16": (np.float16, mx.float16, "float16"),
-    "F32": (np.float32, mx.float32, "float32"),
-}
 # Config fields that must agree between source and target (text config level).
 _CONFIG_FIELDS = (
     "hidden_size",
@@ -66,21 +69,15 @@ Echo = Callable[[str], None]
 
 
 def _hf_offline() -> bool:
-    from huggingface_hub import constants
-
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return env or bool(constants.HF_HUB_OFFLINE)
+    return env or bool(hf_constants.HF_HUB_OFFLINE)
 
 
 def _snapshot(repo_id: str, patterns: List[str], revision: Optional[str], progress: bool) -> Path:
-    from huggingface_hub import snapshot_download
-
     kwargs = dict(revision=revision, allow_patterns=patterns, local_files_only=_hf_offline())
     if os.environ.get("HF_HUB_CACHE"):  # read at call time (huggingface_hub reads it at import)
         kwargs["cache_dir"] = os.environ["HF_HUB_CACHE"]
     if progress:
-        from tqdm.auto import tqdm
-
         kwargs["tqdm_class"] = tqdm
     try:
         return Path(snapshot_download(repo_id, **kwargs))
@@ -114,67 +111,17 @@ def fetch_source(source: str, *, shards: bool = True, revision: Optional[str] = 
 
 
 # ---------------------------------------------------------------------------
-# Safetensors reader: headers without data, and slices along the first axis
-# ---------------------------------------------------------------------------
-
-
-class TensorReader:
-    """Reads tensors (or expert ranges of them) straight from safetensors files with plain
-    file reads: no mmap (whose touched pages would count as resident), nothing else loaded."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self._headers: Dict[str, Tuple[dict, int]] = {}
-
-    def header(self, shard: str) -> Tuple[dict, int]:
-        if shard not in self._headers:
-            with open(self.folder / shard, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            self._headers[shard] = (header, 8 + n)
-        return self._headers[shard]
-
-    def info(self, shard: str, name: str) -> dict:
-        header, _ = self.header(shard)
-        if name not in header:
-            raise AddMTPError(f"{name} is listed in the index under {shard} but is not in that file")
-        return header[name]
-
-    def read(self, shard: str, name: str, start: int = 0, stop: Optional[int] = None) -> mx.array:
-        header, base = self.header(shard)
-        meta = header[name]
-        if meta["dtype"] not in _ST_DTYPES:
-            raise AddMTPError(f"{name}: unsupported dtype {meta['dtype']}")
-        np_dtype, mx_dtype, _ = _ST_DTYPES[meta["dtype"]]
-        shape = list(meta["shape"])
-        stop = shape[0] if stop is None else stop
-        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(np_dtype).itemsize if shape else 0
-        begin = base + meta["data_offsets"][0]
-        with open(self.folder / shard, "rb") as f:
-            if shape:
-                f.seek(begin + start * row)
-                buf = f.read((stop - start) * row)
-                arr = np.frombuffer(buf, dtype=np_dtype).reshape([stop - start] + shape[1:])
-            else:
-                f.seek(begin)
-                arr = np.frombuffer(f.read(np.dtype(np_dtype).itemsize), dtype=np_dtype).reshape(())
-        out = mx.array(arr)  # copies
-        del arr
-        return out.view(mx_dtype) if mx_dtype == mx.bfloat16 else out
-
-
-# ---------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------
 
 
 @dataclass
 class Job:
-    """One MTPHead parameter and how to build it from source tensors."""
+    """One MTPHead parameter and how to build it from source tensors: an hf_head.HeadTensor
+    with the shape and quantization the plan gives it."""
 
     out: str  # MTPHead parameter name, e.g. "layers.0.mlp.switch_mlp.gate_proj.weight"
-    kind: str  # copy | norm | stack | gate_half | up_half
+    kind: str  # copy | norm | stack | gate_half | up_half (see hf_head.head_form)
     sources: List[str]  # full `mtp.*` names (stack: ordered by expert)
     shape: Tuple[int, ...]  # shape of the (unquantized) result
     quant: Optional[dict] = None  # {"bits", "group_size", "mode"} or None
@@ -202,7 +149,7 @@ class Plan:
         return sorted(set(self.files.values()))
 
     def source_bytes(self) -> int:
-        return sum(int(np.prod(t["shape"], dtype=np.int64)) * _itemsize(t["dtype"]) for t in self.tensors.values())
+        return sum(nbytes(t) for t in self.tensors.values())
 
     def describe(self) -> str:
         lines = [
@@ -220,14 +167,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def _itemsize(st_dtype: str) -> int:
-    return np.dtype(_ST_DTYPES[st_dtype][0]).itemsize if st_dtype in _ST_DTYPES else 0
-
-
-def _text(config: dict) -> dict:
-    return config.get("text_config", config)
-
-
 def existing_head(model_dir: Path) -> Optional[str]:
     model_dir = Path(model_dir)
     if (model_dir / mtp_folder.FOLDER).exists():
@@ -239,43 +178,12 @@ def existing_head(model_dir: Path) -> Optional[str]:
 
 
 def make_jobs(files: Dict[str, str]) -> Tuple[List[Job], dict]:
-    """Jobs (without shapes) turning HF `mtp.*` names into MTPHead names, like convert_hf_head."""
-    names = sorted(files)
-    layout = hf_head.expert_layout(names)
-    jobs: List[Job] = []
-    stacks: Dict[Tuple[int, str], Dict[int, str]] = {}
-    for full in names:
-        name = full.removeprefix(hf_head.MTP_PREFIX)
-        if m := hf_head._PER_EXPERT.match(name):
-            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = full
-        elif m := hf_head._FUSED.match(name):
-            prefix = f"layers.{m.group(1)}.mlp.switch_mlp"
-            if m.group(2) == "gate_up_proj":
-                jobs.append(Job(f"{prefix}.gate_proj.weight", "gate_half", [full], ()))
-                jobs.append(Job(f"{prefix}.up_proj.weight", "up_half", [full], ()))
-            else:
-                jobs.append(Job(f"{prefix}.down_proj.weight", "copy", [full], ()))
-        elif hf_head.is_zero_centred_norm(name):
-            jobs.append(Job(name, "norm", [full], ()))
-        else:
-            jobs.append(Job(name, "copy", [full], ()))
-    n_experts = 0
-    for (layer, proj), experts in sorted(stacks.items()):
-        n = len(experts)
-        if sorted(experts) != list(range(n)):
-            raise AddMTPError(f"source layer {layer} {proj}: expert indices are not 0..{n - 1}")
-        if n_experts and n != n_experts:
-            raise AddMTPError(f"source layer {layer} {proj} has {n} experts, other projections {n_experts}")
-        n_experts = n
-        jobs.append(Job(f"layers.{layer}.mlp.switch_mlp.{proj}.weight", "stack",
-                        [experts[e] for e in range(n)], ()))
-    info = {
-        "expert_layout": layout,
-        "num_experts": n_experts,
-        "num_layers": hf_head.num_head_layers(names),
-        "moe": any(j.out.endswith("mlp.gate.weight") for j in jobs),
-    }
-    return jobs, info
+    """Jobs (without shapes) turning HF `mtp.*` names into MTPHead names (hf_head's mapping)."""
+    try:
+        mapping, info = hf_head.map_head_names(files)
+    except hf_head.HeadConversionError as e:
+        raise AddMTPError(f"source {e}") from e
+    return [Job(t.out, t.kind, list(t.sources), ()) for t in mapping], info
 
 
 def _job_shape(job: Job, tensors: Dict[str, dict]) -> Tuple[int, ...]:
@@ -302,15 +210,7 @@ def plan(model_dir, source: str, *, bits="auto", group_size="auto", mode="auto",
     """Read configs and headers (no tensor data) and decide everything. `target` is the
     lazily loaded target model (loaded here when None)."""
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise AddMTPError(f"{model_dir} is not an MLX model folder (no config.json)")
-    target_config = json.loads((model_dir / "config.json").read_text())
-    from ..models.family import UnsupportedModelError, family_of
-
-    try:
-        family = family_of(target_config)
-    except UnsupportedModelError as e:
-        raise AddMTPError(f"target: {e}") from e
+    target_config, family = _target_config(model_dir)
     source_dir, files = fetch_source(source, shards=download, revision=revision, progress=progress)
     source_config = json.loads((source_dir / "config.json").read_text()) \
         if (source_dir / "config.json").exists() else {}
@@ -320,27 +220,45 @@ def plan(model_dir, source: str, *, bits="auto", group_size="auto", mode="auto",
     p = Plan(model_dir, source, source_dir, source_config, target_config, family, files,
              existing=existing_head(model_dir))
     p.jobs, p.info = make_jobs(files)
-    reader = TensorReader(source_dir)
     if all((source_dir / s).exists() for s in p.shards):
-        p.tensors = {n: reader.info(s, n) for n, s in files.items()}
-        for job in p.jobs:
-            job.shape = _job_shape(job, p.tensors)
-        if p.info["expert_layout"] == "fused":
-            p.info["num_experts"] = next(j.shape[0] for j in p.jobs if j.kind == "gate_half")
-        dtypes = {t["dtype"] for t in p.tensors.values()}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _ST_DTYPES:
-            raise AddMTPError(f"source mtp.* tensors have dtypes {sorted(dtypes)}; expected one float dtype")
-        p.dtype = _ST_DTYPES[next(iter(dtypes))][2]
+        _read_source_headers(p)
     if target is None:
         target = load_target(model_dir)
     choose_quantization(p, target, bits=bits, group_size=group_size, mode=mode)
     return p
 
 
+def _target_config(model_dir: Path) -> Tuple[dict, str]:
+    """(config, family) of the MLX model folder to repair."""
+    if not (model_dir / "config.json").exists():
+        raise AddMTPError(f"{model_dir} is not an MLX model folder (no config.json)")
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        return config, family_of(config)
+    except UnsupportedModelError as e:
+        raise AddMTPError(f"target: {e}") from e
+
+
+def _read_source_headers(p: Plan) -> None:
+    """Source tensor shapes and dtypes (headers only): the jobs' shapes, the source dtype,
+    and a fused layout's expert count."""
+    reader = TensorReader(p.source_dir)
+    try:
+        p.tensors = {n: reader.info(s, n) for n, s in p.files.items()}
+    except TensorFileError as e:
+        raise AddMTPError(str(e)) from e
+    for job in p.jobs:
+        job.shape = _job_shape(job, p.tensors)
+    if p.info["expert_layout"] == "fused":
+        p.info["num_experts"] = next(j.shape[0] for j in p.jobs if j.kind == "gate_half")
+    dtypes = {t["dtype"] for t in p.tensors.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in ST_DTYPES:
+        raise AddMTPError(f"source mtp.* tensors have dtypes {sorted(dtypes)}; expected one float dtype")
+    p.dtype = ST_DTYPES[next(iter(dtypes))][2]
+
+
 def load_target(model_dir: Path):
     """The target model, lazily (nothing but headers read), to compare shapes against."""
-    from mlx_lm.utils import load_model
-
     with cpu():
         model, _ = load_model(Path(model_dir), lazy=True)
     return model
@@ -363,8 +281,6 @@ def target_treatment(target) -> Dict[str, Optional[dict]]:
     """How the target's main layers are quantized, per layer-relative path (e.g. "mlp.gate"
     -> {"bits": 8, "group_size": 64, "mode": "affine"}, or None for left unquantized):
     the most common treatment over all layers."""
-    from ..models.family import text_parts
-
     seen: Dict[str, Counter] = {}
     for path, m in text_parts(target).backbone.named_modules():
         mm = _LAYER_SUFFIX.search(path)
@@ -377,81 +293,121 @@ def target_treatment(target) -> Dict[str, Optional[dict]]:
             for s, c in seen.items()}
 
 
-def head_skeleton(target, info: dict):
-    from ..models.family import text_parts
-    from ..models.mtp_head import MTPHead
-
+def head_skeleton(target, info: dict) -> MTPHead:
+    """An MTPHead for the target, of the source head's shape (lazy: no weights)."""
     with cpu():
         return MTPHead(text_parts(target), num_layers=max(1, info["num_layers"]), moe=info["moe"])
 
 
-def choose_quantization(p: Plan, target, *, bits="auto", group_size="auto", mode="auto") -> None:
-    tq = p.target_config.get("quantization") or _text(p.target_config).get("quantization")
+@dataclass
+class QuantRequest:
+    """The head's quantization as the options ask for it, `auto` resolved from the target."""
+
+    bits: int  # 16: none
+    group_size: int
+    mode: str
+    target: Optional[dict]  # the target config's quantization; None for an unquantized target
+
+    @property
+    def origin(self) -> str:
+        return "target config" if self.target else "target is unquantized"
+
+
+def quant_request(target_config: dict, bits="auto", group_size="auto", mode="auto") -> QuantRequest:
+    tq = target_config.get("quantization") or text_config(target_config).get("quantization")
     want_bits = _parse_bits(bits)
     if mode in (None, "auto"):
         mode = (tq or {}).get("mode", "affine")
     if mode not in MODE_DEFAULTS:
         raise AddMTPError(f"--mode must be auto or one of {sorted(MODE_DEFAULTS)} (got {mode})")
-    origin = "target config" if tq else "target is unquantized"
     if want_bits is None:
         want_bits = int(tq["bits"]) if tq else 16
     if group_size in (None, "auto"):
         gs = int(tq["group_size"]) if tq and "group_size" in tq else MODE_DEFAULTS[mode][0]
     else:
         gs = int(group_size)
-    if want_bits == 16:
+    return QuantRequest(want_bits, gs, mode, tq)
+
+
+def choose_quantization(p: Plan, target, *, bits="auto", group_size="auto", mode="auto") -> None:
+    """Each job's quantization and the head's (mlx-lm style) quantization dict: as asked,
+    `auto` like the target, each path treated as the target's main layers treat it."""
+    req = quant_request(p.target_config, bits, group_size, mode)
+    for job in p.jobs:
+        job.quant = None
+    if req.bits == 16:
         p.quantization = None
-        for job in p.jobs:
-            job.quant = None
-        p.choice = [f"quantization: none, head kept in the source dtype {p.dtype} (--bits 16 / {origin})"]
+        p.choice = [f"quantization: none, head kept in the source dtype {p.dtype} (--bits 16 / {req.origin})"]
         return
-    default = {"group_size": gs, "bits": want_bits, "mode": mode}
-    target_default = (
-        {"group_size": int(tq.get("group_size", 64)), "bits": int(tq["bits"]), "mode": tq.get("mode", "affine")}
-        if tq else None
-    )
+    default = {"group_size": req.group_size, "bits": req.bits, "mode": req.mode}
+    p.quantization, notes = _quantize_jobs(p, target, default, req.target)
+    src = "--bits" if bits not in (None, "auto") else req.origin
+    p.choice = [f"quantization: {req.bits}-bit, group size {req.group_size}, mode {req.mode} ({src}); "
+                f"scales in the source dtype {p.dtype}"] + notes
+
+
+def _quantize_jobs(p: Plan, target, default: dict, tq: Optional[dict]) -> Tuple[dict, List[str]]:
+    """Set each quantizable job's quantization; (the head's quantization dict, lines on
+    the paths treated otherwise than `default`)."""
     treatment = target_treatment(target) if tq else {}
+    target_default = _config_default(tq)
     # Suffixes the target's config names per path (mlx-lm records its router / shared_expert_gate
     # overrides even when they equal the default): record them for the head too.
     named = {mm.group(1) for k, v in (tq or {}).items()
              if isinstance(v, dict) and (mm := _LAYER_SUFFIX.search(k))}
-    skeleton = head_skeleton(target, p.info)
-    quantizable = {path for path, m in skeleton.named_modules()
+    quantizable = {path for path, m in head_skeleton(target, p.info).named_modules()
                    if hasattr(m, "to_quantized") and not isinstance(m, nn.Embedding)}
     quant: dict = dict(default)
     overrides, skipped, mirrored_plain = [], [], []
     for job in p.jobs:
-        job.quant = None
         path = job.out.removesuffix(".weight")
         if not job.out.endswith(".weight") or path not in quantizable:
             continue
-        params = default
         mm = _LAYER_SUFFIX.search(path)
-        if mm and mm.group(1) in treatment:
-            t = treatment[mm.group(1)]
-            if t is None:  # the target kept its main layers' equivalent unquantized
-                mirrored_plain.append(path)
-                continue
-            if t != target_default:  # a per-path override in the target (router, shared_expert_gate)
-                params = t
+        suffix = mm.group(1) if mm else None
+        params = _like_target(suffix, default, treatment, target_default)
+        if params is None:  # the target kept its main layers' equivalent unquantized
+            mirrored_plain.append(path)
+            continue
         in_dim = job.shape[-1] if job.shape else 0
         if in_dim % params["group_size"] != 0:  # mlx-lm leaves these unquantized too
             skipped.append(f"{path} (input dim {in_dim})")
             continue
         job.quant = dict(params)
-        if params != default or (mm and mm.group(1) in named):
+        if params != default or suffix in named:
             quant[path] = dict(params)
             overrides.append(f"{path} {params['bits']}-bit group {params['group_size']} {params['mode']}")
-    p.quantization = quant
-    src = "--bits" if bits not in (None, "auto") else origin
-    p.choice = [f"quantization: {want_bits}-bit, group size {gs}, mode {mode} ({src}); "
-                f"scales in the source dtype {p.dtype}"]
+    return quant, _quantization_notes(overrides, mirrored_plain, skipped)
+
+
+def _config_default(tq: Optional[dict]) -> Optional[dict]:
+    """The target config's default quantization, in the form of `_module_quant`."""
+    if not tq:
+        return None
+    return {"group_size": int(tq.get("group_size", 64)), "bits": int(tq["bits"]), "mode": tq.get("mode", "affine")}
+
+
+def _like_target(suffix: Optional[str], default: dict, treatment: Dict[str, Optional[dict]],
+                 target_default: Optional[dict]) -> Optional[dict]:
+    """A head path's quantization: the target's per-path override where its main layers have
+    one (router, shared_expert_gate), None where they are unquantized, else `default`."""
+    if suffix not in treatment:
+        return default
+    t = treatment[suffix]
+    if t is None:
+        return None
+    return default if t == target_default else t
+
+
+def _quantization_notes(overrides: List[str], mirrored_plain: List[str], skipped: List[str]) -> List[str]:
+    notes = []
     if overrides:
-        p.choice.append("  like the target's main layers: " + "; ".join(overrides))
+        notes.append("  like the target's main layers: " + "; ".join(overrides))
     if mirrored_plain:
-        p.choice.append("  unquantized like the target's main layers: " + ", ".join(mirrored_plain))
+        notes.append("  unquantized like the target's main layers: " + ", ".join(mirrored_plain))
     if skipped:
-        p.choice.append(f"  unquantized, not divisible by the group size: {', '.join(skipped)}")
+        notes.append(f"  unquantized, not divisible by the group size: {', '.join(skipped)}")
+    return notes
 
 
 # ---------------------------------------------------------------------------
@@ -461,27 +417,41 @@ def choose_quantization(p: Plan, target, *, bits="auto", group_size="auto", mode
 
 def validate(p: Plan, target) -> None:
     """Refuse anything that would give a head of another model; raises AddMTPError."""
-    from mlx.utils import tree_flatten
-
-    from ..models.family import family_of, text_parts
-
-    problems: List[str] = []
-    if p.source_config:
-        try:
-            src_family = family_of(p.source_config)
-        except ValueError as e:
-            src_family = None
-            problems.append(f"source: {e}")
-        if src_family and src_family != p.family:
-            problems.append(f"source is a {src_family} checkpoint, target a {p.family} model")
-        s, t = _text(p.source_config), _text(p.target_config)
-        for k in _CONFIG_FIELDS:
-            if k in s and k in t and s[k] != t[k]:
-                problems.append(f"{k}: source {s[k]}, target {t[k]}")
     parts = text_parts(target)
+    problems = _config_problems(p) + _architecture_problems(p, parts)
+    if p.tensors and not problems:
+        problems += _shape_problems(p, target, parts)
+    if p.tensors and not problems:
+        problems += _norm_problems(p, parts)
+    if problems:
+        raise AddMTPError("source head does not fit the target model, nothing written:\n  - "
+                          + "\n  - ".join(problems))
+
+
+def _config_problems(p: Plan) -> List[str]:
+    """Source and target configs: same family, same sizes."""
+    if not p.source_config:
+        return []
+    problems: List[str] = []
+    try:
+        src_family = family_of(p.source_config)
+    except ValueError as e:
+        src_family = None
+        problems.append(f"source: {e}")
+    if src_family and src_family != p.family:
+        problems.append(f"source is a {src_family} checkpoint, target a {p.family} model")
+    s, t = text_config(p.source_config), text_config(p.target_config)
+    problems += [f"{k}: source {s[k]}, target {t[k]}" for k in _CONFIG_FIELDS
+                 if k in s and k in t and s[k] != t[k]]
+    return problems
+
+
+def _architecture_problems(p: Plan, parts) -> List[str]:
+    """The source against the loaded target: vocabulary, MoE or dense, expert count."""
+    problems: List[str] = []
     args = parts.args
     vocab = parts.embed_tokens.weight.shape[0]
-    src_vocab = _text(p.source_config).get("vocab_size")
+    src_vocab = text_config(p.source_config).get("vocab_size")
     if src_vocab is not None and src_vocab != vocab:
         problems.append(f"vocabulary: source {src_vocab}, target embedding has {vocab} rows")
     target_moe = int(getattr(args, "num_experts", 0) or 0) > 0
@@ -491,46 +461,45 @@ def validate(p: Plan, target) -> None:
     elif target_moe and p.info["num_experts"] and p.info["num_experts"] != args.num_experts:
         problems.append(f"expert count: source head has {p.info['num_experts']} experts, target model "
                         f"{args.num_experts} (a pruned model needs a head pruned the same way)")
-    if p.tensors and not problems:
-        expected = {k: tuple(v.shape) for k, v in tree_flatten(head_skeleton(target, p.info).parameters())}
-        got = {j.out: tuple(j.shape) for j in p.jobs}
-        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        wrong = [f"{k}: source {got[k]}, target expects {expected[k]}"
-                 for k in sorted(set(got) & set(expected)) if got[k] != expected[k]]
-        if missing:
-            problems.append(f"source head lacks {missing[:5]}")
-        if extra:
-            problems.append(f"source head has tensors the target's layer has no place for: {extra[:5]}")
-        problems += wrong[:5]
-        target_dtype = parts.backbone.norm.weight.dtype
-        if p.dtype and getattr(mx, p.dtype) != target_dtype:
-            problems.append(f"dtype: source head is {p.dtype}, target model {str(target_dtype).split('.')[-1]}")
-    if p.tensors and not problems:
-        problems += _norm_problems(p, parts)
-    if problems:
-        raise AddMTPError("source head does not fit the target model, nothing written:\n  - "
-                          + "\n  - ".join(problems))
+    return problems
+
+
+def _shape_problems(p: Plan, target, parts) -> List[str]:
+    """Every head parameter present, of the shape and dtype the target's layers have."""
+    problems: List[str] = []
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(head_skeleton(target, p.info).parameters())}
+    got = {j.out: tuple(j.shape) for j in p.jobs}
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing:
+        problems.append(f"source head lacks {missing[:5]}")
+    if extra:
+        problems.append(f"source head has tensors the target's layer has no place for: {extra[:5]}")
+    problems += [f"{k}: source {got[k]}, target expects {expected[k]}"
+                 for k in sorted(set(got) & set(expected)) if got[k] != expected[k]][:5]
+    target_dtype = parts.backbone.norm.weight.dtype
+    if p.dtype and getattr(mx, p.dtype) != target_dtype:
+        problems.append(f"dtype: source head is {p.dtype}, target model {str(target_dtype).split('.')[-1]}")
+    return problems
 
 
 def _norm_problems(p: Plan, parts) -> List[str]:
-    """The same rule as `load.check_norm_convention`, before writing: after our +1 the head's
-    norms must sit near the target's (already shifted) final norm, not ~1 above it."""
-    ref = parts.backbone.norm.weight.astype(mx.float32).mean().item()
-    reader = TensorReader(p.source_dir)
-    out = []
+    """The rule of `load.check_norm_convention` (hf_head.misshifted_norms), before writing:
+    after our +1 the head's norms must sit near the target's (already shifted) final norm."""
     with cpu():
-        for job in p.jobs:
-            if job.kind != "norm":
-                continue
+        bad = list(hf_head.misshifted_norms(_source_norms(p), parts.backbone.norm.weight))
+    return [f"source norm {n.name} looks "
+            + ("already shifted (norms ~1-centred: converted or double-shifted)" if n.twice
+               else "shifted the wrong way")
+            + f": mean {n.mean - 1.0:.2f}, expected ~0 (HF zero-centred form)" for n in bad]
+
+
+def _source_norms(p: Plan) -> Iterator[Tuple[str, mx.array]]:
+    """(source name, effective weight) of each head norm, read one at a time."""
+    reader = TensorReader(p.source_dir)
+    for job in p.jobs:
+        if job.kind == "norm":
             src = job.sources[0]
-            w = reader.read(p.files[src], src).astype(mx.float32)
-            diff = (w + 1.0).mean().item() - ref
-            if abs(diff) > 0.6 and abs(abs(diff) - 1.0) < 0.4:
-                kind = "already shifted (norms ~1-centred: converted or double-shifted)" if diff > 0 \
-                    else "shifted the wrong way"
-                out.append(f"source norm {src} looks {kind}: mean {w.mean().item():.2f}, expected ~0 "
-                           f"(HF zero-centred form)")
-    return out
+            yield src, hf_head.head_form("norm", reader.read(p.files[src], src).astype(mx.float32))
 
 
 # ---------------------------------------------------------------------------
@@ -551,14 +520,12 @@ def cpu() -> Iterator[None]:
 
 
 def _chunks(job: Job, tensors: Dict[str, dict]) -> List[Tuple[int, int]]:
+    """Expert ranges [lo, hi) of at most CHUNK_BYTES of source; [(0, 0)]: the whole tensor."""
+    meta = tensors[job.sources[0]]
     if job.kind == "stack":
-        n = len(job.sources)
-        per = tensors[job.sources[0]]
-        one = int(np.prod(per["shape"], dtype=np.int64)) * _itemsize(per["dtype"])
+        n, one = len(job.sources), nbytes(meta)
     elif len(job.shape) == 3:
-        meta = tensors[job.sources[0]]
-        n = meta["shape"][0]
-        one = int(np.prod(meta["shape"][1:], dtype=np.int64)) * _itemsize(meta["dtype"])
+        n, one = meta["shape"][0], nbytes(meta, skip_axes=1)
     else:
         return [(0, 0)]
     step = max(1, CHUNK_BYTES // max(one, 1))
@@ -573,12 +540,7 @@ def _read_job_chunk(job: Job, p: Plan, reader: TensorReader, lo: int, hi: int) -
         w = reader.read(p.files[src], src)
     else:
         w = reader.read(p.files[src], src, lo, hi)
-    if job.kind == "norm":
-        return w + 1.0  # zero-centred RMSNorm: +1 exactly once (as hf_head / mlx-lm sanitize)
-    if job.kind in ("gate_half", "up_half"):
-        mid = w.shape[-2] // 2
-        return w[..., :mid, :] if job.kind == "gate_half" else w[..., mid:, :]
-    return w
+    return hf_head.head_form(job.kind, w)
 
 
 def convert(p: Plan, echo: Optional[Echo] = None) -> Dict[str, mx.array]:
@@ -617,9 +579,6 @@ def convert(p: Plan, echo: Optional[Echo] = None) -> Dict[str, mx.array]:
 
 def check_loads(p: Plan, target, weights: Dict[str, mx.array]) -> None:
     """Build the head exactly as `mlxmtp.load` will (quantize_like + strict load) before writing."""
-    from ..models.family import text_parts
-    from ..models.load import MTPLoadError, build_head, check_norm_convention
-
     with cpu():
         try:
             head = build_head(text_parts(target), weights, p.info, p.quantization)

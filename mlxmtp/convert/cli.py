@@ -26,6 +26,7 @@ def add_mtp_weights(model_dir, source, bits, group_size, mode, revision, dry_run
     shared_expert_gate as the model's main layers), validates against the model, and writes
     MODEL/mtp/ atomically, on the CPU.
     """
+    # On use: `mlxmtp` start-up imports every subcommand module, and this one pulls in mlx_lm.
     from .add_mtp_weights import AddMTPError
     from .add_mtp_weights import add_mtp_weights as run
 

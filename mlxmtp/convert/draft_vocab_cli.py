@@ -12,12 +12,12 @@ TOKENIZER_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"
 def _tokenizer_and_config(model: str):
     """(model folder, mlx-lm tokenizer with the model's EOS ids, config); a Hugging Face
     repo id downloads the tokenizer and configs only."""
+    # On use: `mlxmtp` start-up imports every subcommand module, and mlx_lm takes seconds.
+    from huggingface_hub import snapshot_download
     from mlx_lm.utils import load_config, load_tokenizer
 
     path = Path(model).expanduser()
     if not path.exists():
-        from huggingface_hub import snapshot_download
-
         path = Path(snapshot_download(model, allow_patterns=TOKENIZER_FILES))
     config = load_config(path)  # merges generation_config's eos_token_id, as mlx_lm.load does
     return path, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")), config
@@ -34,8 +34,9 @@ def _tokenizer_and_config(model: str):
 def draft_vocab(model, corpus, more, size, out):
     """Write the special tokens and the corpus's most frequent tokens as the MTP head's draft
     vocabulary (used with --draft-vocab N on serve / generate; N up to --size)."""
+    # On use: `mlxmtp` start-up imports every subcommand module, and these pull in mlx.
+    from ..checkpoint import token_list
     from ..models.family import text_config
-    from . import token_list
 
     files = [Path(f) for f in (*corpus, *more)]
     if not files:

@@ -12,7 +12,7 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(model, as_json):
     """Family, quantization and MTP head (present? where? layers, expert layout) of MODEL."""
-    from .load import inspect_model
+    from .load import inspect_model  # on use: `mlxmtp` start-up imports every subcommand module
 
     try:
         info = inspect_model(model)

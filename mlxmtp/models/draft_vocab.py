@@ -8,7 +8,7 @@ tables up to `MAX_COPY_BYTES`, the drafter keeps its own float32 copy. Drafts ar
 verified by the main model, so this changes acceptance at most, never output; the main
 model's own logits keep using the model's weights (bit-identical to mlx-lm).
 
-A trimmed draft vocabulary (convert/token_list.py) restricts the draft's output
+A trimmed draft vocabulary (checkpoint/token_list.py) restricts the draft's output
 projection to the listed rows, gathered once at load. `lm_head` still returns logits
 over the full vocabulary, -inf outside the list: argmax, the request's processors and
 filters and the rejection sampler need no change, and q is a proper distribution over
@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..convert import token_list
+from ..checkpoint import token_list
 from .family import TextParts
 
 log = logging.getLogger("mlxmtp")

@@ -63,10 +63,10 @@ class TextParts:
         """A constructor for one full-attention decoder layer of this family (the MTP layer)."""
         args = self.args
         attn_idx = args.full_attention_interval - 1  # an index whose layer is full attention
-        if self.family == "qwen3_next":
-            from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer as Layer
-        else:
-            from mlx_lm.models.qwen3_5 import DecoderLayer as Layer
+        # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
+        from mlx_lm.models import qwen3_5, qwen3_next
+
+        Layer = qwen3_next.Qwen3NextDecoderLayer if self.family == "qwen3_next" else qwen3_5.DecoderLayer
         return lambda: Layer(args, attn_idx)
 
 

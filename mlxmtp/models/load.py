@@ -9,6 +9,7 @@ exactly stock mlx-lm's).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,12 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from huggingface_hub import snapshot_download
+from mlx.utils import tree_flatten, tree_map
 
-from ..convert import hf_head, mtp_folder
-from ..convert.token_list import DraftVocabError
+from ..checkpoint import hf_head, mtp_folder, tensor_files
+from ..checkpoint.token_list import DraftVocabError
+from .demo import demo_model_path
 from .draft_vocab import DraftVocab, draft_token_ids
 from .family import TextParts, family_of, text_config, text_parts
 from .mtp_head import MTPHead
@@ -73,8 +76,6 @@ def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None) -> Pa
     p = Path(path_or_hf_id).expanduser()
     if p.exists():
         return p
-    from huggingface_hub import snapshot_download
-
     return Path(
         snapshot_download(
             path_or_hf_id,
@@ -90,8 +91,6 @@ def locate_head(model_dir: Path) -> Optional[HeadSource]:
     (fine-tunes and most quantized conversions keep `mtp_num_hidden_layers` and drop the tensors)."""
     model_dir = Path(model_dir)
     if mtp_folder.has_mtp_folder(model_dir):
-        import json
-
         config = json.loads((model_dir / mtp_folder.FOLDER / mtp_folder.CONFIG).read_text())
         return HeadSource("mtp_folder", model_dir / mtp_folder.FOLDER, config=config)
     files = hf_head.mtp_tensor_files(model_dir)
@@ -162,8 +161,6 @@ def build_head(parts: TextParts, weights: Dict[str, mx.array], info: dict,
         # MLX's CPU kernels for float16/bfloat16 are slower than float32 (no BLAS), and the
         # head's steps are on the critical path of every cycle: compute it in float32 there.
         # (Drafts are always verified, so this can only change acceptance, never output.)
-        from mlx.utils import tree_map
-
         head.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype in (mx.float16, mx.bfloat16) else a,
                              head.parameters()))
     # Materialise now: MLX streams are per thread, and a server evaluates on its engine thread.
@@ -172,24 +169,17 @@ def build_head(parts: TextParts, weights: Dict[str, mx.array], info: dict,
 
 
 def check_norm_convention(parts: TextParts, head: MTPHead) -> None:
-    """Refuse double-shifted (or never-shifted) head norms.
-
-    `mtp.norm` plays the role of the backbone's final `norm` (both feed the lm_head), so
-    their effective weights have similar scale; mlx-lm already got the backbone's right.
-    A head whose norms sit ~1 above (or below) it had its +1 shift applied twice (or never).
-    """
-    ref = parts.backbone.norm.weight.astype(mx.float32).mean().item()
-    for name, w in tree_flatten(head.parameters()):
-        if not name.endswith("norm.weight") or w.ndim != 1:
-            continue
-        diff = w.astype(mx.float32).mean().item() - ref
-        if abs(diff) > 0.6 and abs(abs(diff) - 1.0) < 0.4:
-            kind = "shifted twice" if diff > 0 else "never shifted"
-            raise MTPLoadError(
-                f"MTP head norm {name} looks {kind} (mean effective weight {ref + diff:.2f} vs "
-                f"{ref:.2f} for the model's final norm): the +1 zero-centred RMSNorm shift must be "
-                "applied exactly once. Rebuild the head with mlxmtp add-mtp-weights --force."
-            )
+    """Refuse double-shifted (or never-shifted) head norms (see hf_head.misshifted_norms)."""
+    norms = ((name, w) for name, w in tree_flatten(head.parameters())
+             if name.endswith("norm.weight") and w.ndim == 1)
+    bad = next(hf_head.misshifted_norms(norms, parts.backbone.norm.weight), None)
+    if bad is not None:
+        raise MTPLoadError(
+            f"MTP head norm {bad.name} looks {'shifted twice' if bad.twice else 'never shifted'} (mean "
+            f"effective weight {bad.mean:.2f} vs {bad.reference:.2f} for the model's final norm): the +1 "
+            "zero-centred RMSNorm shift must be applied exactly once. Rebuild the head with "
+            "mlxmtp add-mtp-weights --force."
+        )
 
 
 def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_norm",
@@ -243,11 +233,9 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     draft_vocab=N (> 0): the head drafts only from the first N tokens of the model's token
     list (`mtp/draft_vocab.json`, or `draft_vocab_file`); vocabularies over 64K only.
     """
-    import mlx_lm
+    import mlx_lm  # imported on use: it takes seconds, and `mlxmtp inspect` never needs it
 
     if path_or_hf_id is None:
-        from .demo import demo_model_path
-
         path_or_hf_id = str(demo_model_path())
     model_dir = resolve_model_path(str(path_or_hf_id), revision)
     model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy)
@@ -270,8 +258,6 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
 
 def inspect_model(path_or_hf_id: str) -> dict:
     """What `mlxmtp inspect` prints; reads configs and safetensors headers only."""
-    import json
-
     model_dir = resolve_model_path(path_or_hf_id)
     config = json.loads((model_dir / "config.json").read_text())
     family = family_of(config)
@@ -311,5 +297,6 @@ def inspect_model(path_or_hf_id: str) -> dict:
 def _fused_experts(source: HeadSource) -> int:
     for name, shard in source.tensors.items():
         if name.endswith("experts.gate_up_proj"):
-            return hf_head.safetensors_keys(source.path / shard)[name]["shape"][0]
+            header, _ = tensor_files.read_header(source.path / shard)
+            return header[name]["shape"][0]
     return 0

@@ -50,6 +50,7 @@ class MTPHead(nn.Module):
         if cache is None:
             cache = [None] * len(self.layers)
         if mask is None and (x.shape[1] > 1 or cache[0] is not None):
+            # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
             from mlx_lm.models.base import create_attention_mask
 
             # None for one token over a sliced cache; an explicit mask where the cache hands
@@ -64,12 +65,13 @@ def _force_mlp_kind(layers, parts: TextParts, moe: bool) -> None:
     """The head's MLP kind comes from its tensors, not from config rules such as
     `decoder_sparse_step` / `mlp_only_layers`, which describe the main layers."""
     args = parts.args
+    # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
+    from mlx_lm.models import qwen3_5, qwen3_next
+
     if parts.family == "qwen3_next":
-        from mlx_lm.models.qwen3_next import Qwen3NextMLP as MLP
-        from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock as MoE
+        MLP, MoE = qwen3_next.Qwen3NextMLP, qwen3_next.Qwen3NextSparseMoeBlock
     else:
-        from mlx_lm.models.qwen3_5 import MLP
-        from mlx_lm.models.qwen3_5 import SparseMoeBlock as MoE
+        MLP, MoE = qwen3_5.MLP, qwen3_5.SparseMoeBlock
     for layer in layers:
         is_moe = isinstance(layer.mlp, MoE)
         if moe and not is_moe:

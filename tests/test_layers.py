@@ -1,0 +1,87 @@
+"""Imports go down the layers only: checkpoint <- models <- convert, and product code never
+imports test support. Read from the source with `ast`; nothing is imported or run."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mlxmtp"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path):
+    """(imported module, line, whether the import sits inside a function body) for every
+    import of `path`, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    in_function = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            yield name, node.lineno, id(node) in in_function
+
+
+def _modules(sub: str):
+    return sorted((PACKAGE / sub).rglob("*.py"))
+
+
+def _reaches(name: str, target: str) -> bool:
+    return name == target or name.startswith(target + ".")
+
+
+def test_the_walker_resolves_relative_imports():
+    # Sanity check of the walker itself on this repository's own layout.
+    found = {name for name, _, _ in _imports(PACKAGE / "models" / "load.py")}
+    assert "mlxmtp.checkpoint.hf_head" in found and "mlxmtp.models.family" in found
+
+
+@pytest.mark.parametrize("path", _modules("models"), ids=lambda p: p.name)
+def test_models_never_import_convert(path):
+    bad = [(n, line) for n, line, _ in _imports(path) if _reaches(n, "mlxmtp.convert")]
+    assert not bad, f"{path.name} imports the converter: {bad}"
+
+
+@pytest.mark.parametrize("path", _modules("checkpoint"), ids=lambda p: p.name)
+def test_checkpoint_formats_import_no_other_layer(path):
+    bad = [(n, line) for n, line, _ in _imports(path)
+           if _reaches(n, "mlxmtp") and not _reaches(n, "mlxmtp.checkpoint")]
+    assert not bad, f"{path.name} imports above the checkpoint formats: {bad}"
+
+
+def test_demo_locator_does_not_import_test_support():
+    bad = [(n, line) for n, line, _ in _imports(PACKAGE / "models" / "demo.py")
+           if _reaches(n, "mlxmtp.testing")]
+    assert not bad
+
+
+@pytest.mark.parametrize("path", _modules("models") + _modules("convert") + _modules("checkpoint"),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_imports_in_function_bodies_say_why(path):
+    """An import inside a function (kept for CLI start-up or a heavy dependency) has a
+    comment on its line or on the line above its block of imports."""
+    lines = path.read_text().splitlines()
+    unexplained = []
+    for _, line, in_function in _imports(path):
+        if not in_function:
+            continue
+        i = line - 1
+        while i > 0 and lines[i - 1].strip().startswith(("import ", "from ")):
+            i -= 1  # the first import of a consecutive block
+        if "#" not in lines[line - 1] and not lines[i - 1].strip().startswith("#"):
+            unexplained.append(line)
+    assert not unexplained, f"{path.name}: imports inside functions without a reason, lines {sorted(set(unexplained))}"
