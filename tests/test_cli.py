@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 from engine_helpers import loaded, reference_greedy
 
@@ -28,6 +29,17 @@ def test_generate_json_matches_mlx_lm(fixture_model):
     assert out["prompt_tokens"] == len(ids)
     assert out["token_ids"] == reference_greedy(ref, ids, 40)
     assert out["finish_reason"] == "length" and out["stats"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("flags", [["--num-draft", "3", "--pipeline-drafts"], ["--pipeline-drafts"]])
+def test_generate_with_pipelined_drafts_matches_mlx_lm(fixture_model, flags):
+    path = str(fixture_model("qwen3_5")["hf"])
+    res = CliRunner().invoke(cli, ["generate", "--model", path, "--prompt", "def g(y):", "--no-chat-template",
+                                   "--max-tokens", "30", "--json", *flags])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    model, tok, ref = loaded(path)
+    assert out["token_ids"] == reference_greedy(ref, tok.encode("def g(y):"), 30)
 
 
 def test_generate_text_and_bad_parameters(fixture_model):

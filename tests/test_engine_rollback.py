@@ -35,10 +35,10 @@ def assert_caches_equal(engine_cache, ref_cache, row=0):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_6_moe"])
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("shape_stable", [False, True])
-def test_caches_match_plain_decoder_after_every_cycle(fixture_model, family, batch, shape_stable):
+@pytest.mark.parametrize("mode", ["sliced", "shape_stable", "pipelined"])
+def test_caches_match_plain_decoder_after_every_cycle(fixture_model, family, batch, mode):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=shape_stable)
+    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=mode != "sliced", pipeline_drafts=mode == "pipelined")
     wants = {}
     for b in range(batch):
         prompt = prompt_of(9 + 5 * b, seed=b)

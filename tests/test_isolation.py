@@ -72,13 +72,13 @@ def test_a_failing_processor_fails_only_its_request(fixture_model, depth, fail_a
     assert not eng.rows and not eng.waiting and eng.cache is None
 
 
-@pytest.mark.parametrize("depth,shape_stable", [(0, False), (2, False), (2, True)])
-def test_a_failing_detokenizer_fails_only_its_request(fixture_model, depth, shape_stable):
+@pytest.mark.parametrize("depth,pipelined", [(0, False), (2, False), (2, True)])
+def test_a_failing_detokenizer_fails_only_its_request(fixture_model, depth, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     good = [Request(prompt=prompt_of(n, seed=70 + n), max_tokens=20) for n in (4, 30)]
     expected = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in good}
     bad = Request(prompt=prompt_of(10, seed=3), max_tokens=20)
-    eng = BatchGenerator(model, tok, num_draft=depth, shape_stable=shape_stable)
+    eng = BatchGenerator(model, tok, num_draft=depth, pipeline_drafts=pipelined)
     new_row = eng._new_row
     eng._new_row = lambda req: _with_broken_detok(new_row(req), 6) if req.id == bad.id else new_row(req)
     outs, reasons, errors = run(eng, good + [bad], [0, 0, 0])

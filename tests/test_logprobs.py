@@ -30,14 +30,14 @@ def collect(eng, requests):
     return got
 
 
-@pytest.mark.parametrize("depth,batch,shape_stable", [(0, 1, False), (2, 1, False), (4, 3, False), (None, 3, False),
-                                                     (3, 3, True)])
-def test_top_logprobs_match_mlx_lm_at_every_depth_and_batch(fixture_model, depth, batch, shape_stable):
+@pytest.mark.parametrize("depth,batch,pipelined", [(0, 1, False), (2, 1, False), (4, 3, False), (None, 3, False),
+                                                  (3, 3, True)])
+def test_top_logprobs_match_mlx_lm_at_every_depth_and_batch(fixture_model, depth, batch, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     reqs = [Request(prompt=prompt_of(5 + 11 * i, seed=i), max_tokens=12, logprobs=[5, 0, 20][i % 3])
             for i in range(batch)]
     want = {r.id: reference_logprobs(ref, r.prompt, r.max_tokens) for r in reqs}
-    eng = BatchGenerator(model, tok, num_draft=depth, shape_stable=shape_stable)
+    eng = BatchGenerator(model, tok, num_draft=depth, pipeline_drafts=pipelined)
     if depth:
         eng.draft_hook = oracle_hook({r.id: [t for t, _ in want[r.id]] for r in reqs}, p_correct=0.7, seed=1)
     got = collect(eng, reqs)

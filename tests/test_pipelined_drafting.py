@@ -1,4 +1,4 @@
-"""Pipelined drafting cycles (shape-stable caches, the GPU default): each cycle is built on
+"""Pipelined drafting cycles (`pipeline_drafts`, on shape-stable caches): each cycle is built on
 the previous one before that one is read (cycle.launch_after), its rollback and the head's
 inputs taken from device arrays. Output stays mlx-lm's own, token for token."""
 
@@ -45,7 +45,7 @@ def _run(eng, reqs, join_every=0):
 def test_pipelined_cycles_give_mlx_lms_greedy_output(fixture_model, monkeypatch, family, k, batch):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
     chained = _count_chained(monkeypatch)
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True)
+    eng = BatchGenerator(model, tok, num_draft=k, pipeline_drafts=True)
     reqs = [Request(prompt=prompt_of(6 + 17 * b, seed=b), max_tokens=30 + 7 * b) for b in range(batch)]
     want = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in reqs}
     eng.draft_hook = oracle_hook(want, p_correct=0.6, seed=k)
@@ -58,7 +58,7 @@ def test_adaptive_depth_and_plain_stretches_pipelined(fixture_model, monkeypatch
     """The policy switches depths (and to plain decoding) between pipelined cycles."""
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     chained = _count_chained(monkeypatch)
-    eng = BatchGenerator(model, tok, shape_stable=True)
+    eng = BatchGenerator(model, tok, pipeline_drafts=True)
     depths = iter([2, 2, 3, 3, 1, 0, 0, 4, 4, 4, 2, 0, 3] * 20)
     eng.policy.choose = lambda *a, **kw: min(next(depths), a[1] if len(a) > 1 and a[1] is not None else 8)
     reqs = [Request(prompt=prompt_of(n, seed=n), max_tokens=60) for n in (5, 40)]
@@ -78,7 +78,7 @@ def test_stops_inside_pipelined_cycles(fixture_model):
     reqs = [Request(prompt=prompts[0], max_tokens=40, stop_token_ids=[full[0][13]]),
             Request(prompt=prompts[1], max_tokens=17),
             Request(prompt=prompts[2], max_tokens=40)]
-    eng = BatchGenerator(model, tok, num_draft=4, shape_stable=True)
+    eng = BatchGenerator(model, tok, num_draft=4, pipeline_drafts=True)
     eng.draft_hook = oracle_hook({r.id: f for r, f in zip(reqs, full)}, p_correct=0.9, seed=5)
     got, reasons = _run(eng, reqs)
     assert got[reqs[0].id] == full[0][: full[0].index(full[0][13]) + 1] and reasons[reqs[0].id] == "stop"
@@ -88,7 +88,7 @@ def test_stops_inside_pipelined_cycles(fixture_model):
 
 def test_cancel_and_join_while_pipelined(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True)
+    eng = BatchGenerator(model, tok, num_draft=3, pipeline_drafts=True)
     a, b = Request(prompt=prompt_of(9, seed=1), max_tokens=50), Request(prompt=prompt_of(30, seed=2), max_tokens=50)
     want = {r.id: reference_greedy(ref, r.prompt, 50) for r in (a, b)}
     eng.draft_hook = oracle_hook(want, p_correct=0.8, seed=2)
@@ -122,7 +122,7 @@ def test_mixed_greedy_and_sampled_rows_pipelined(fixture_model, monkeypatch):
     runs = []
     for _ in range(2):
         reqs = batch()
-        got, _ = _run(BatchGenerator(model, tok, num_draft=2, shape_stable=True), reqs)
+        got, _ = _run(BatchGenerator(model, tok, num_draft=2, pipeline_drafts=True), reqs)
         assert got[reqs[1].id] == reference_greedy(ref, reqs[1].prompt, 40)
         runs.append(got[reqs[0].id])
     assert runs[0] == runs[1] and len(runs[0]) == 40

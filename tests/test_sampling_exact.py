@@ -106,9 +106,9 @@ class OracleDraftEngine(BatchGenerator):
         return pick
 
 
-def _sample_tokens(model, tok, *, enable_mtp, rule, n, params, seed0, shape_stable=False):
+def _sample_tokens(model, tok, *, enable_mtp, rule, n, params, seed0, pipelined=False):
     eng = OracleDraftEngine(model, tok, enable_mtp=enable_mtp, num_draft=2, max_batch=64,
-                         prefix_cache_bytes=64 << 20, acceptance_rule=rule, shape_stable=shape_stable)
+                         prefix_cache_bytes=64 << 20, acceptance_rule=rule, pipeline_drafts=pipelined)
     prompt = [5, 17, 42, 9, 33, 2]
     # Distinct seeds per arm: paired seeds would share first tokens and deflate the statistic.
     for seed in range(seed0, seed0 + n):
@@ -142,11 +142,11 @@ def _chi2_by_position(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape_stable", [False, True])  # True: drafting cycles pipelined
-def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples, shape_stable):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples, pipelined):
     model, tok = tiny_vocab_model
     mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=N, params=PARAMS,
-                         seed0=(3 if shape_stable else 1) * N, shape_stable=shape_stable)
+                         seed0=(3 if pipelined else 1) * N, pipelined=pipelined)
     for stat, dof in _chi2_by_position(plain_samples, mtp):
         assert stat < chi2_quantile(dof), (stat, dof)
 

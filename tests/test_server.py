@@ -499,3 +499,17 @@ def test_template_that_opens_think(tmp_path, server_model):
         r = chat(client, "FORCE:open", max_tokens=3, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
         assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content
         assert r.choices[0].message.model_extra["reasoning_content"]
+
+
+def test_pipelined_drafts_serve_the_same_greedy_output(start_server, oai):
+    """`serve --pipeline-drafts`: streamed and collected answers equal the default engine's."""
+    import openai
+
+    srv = start_server(model_id=MODEL, pipeline_drafts=True)
+    piped = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    pin = {"num_draft": 3}  # adaptive depth may stay at plain decoding on the fixture
+    for text in ("def add(a, b):", "Write a loop"):
+        want = chat(oai, text, max_tokens=40).choices[0].message.content
+        assert chat(piped, text, max_tokens=40, extra_body=pin).choices[0].message.content == want
+        stream = chat(piped, text, max_tokens=40, stream=True, extra_body=pin)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want

@@ -86,11 +86,12 @@ NEW_LENGTHS = [7, 33, 100, 201, 249, 260, 333, 450, 511, 590]
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k, pipelined):
     """The GPU default, run here: greedy output equals mlx-lm's for rows joining at
     different times, whatever each row keeps."""
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, prefill_step=64)
+    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, pipeline_drafts=pipelined, prefill_step=64)
     reqs = [Request(prompt=prompt_of(n, seed=n), max_tokens=30) for n in (4, 90, 270)]
     want = {r.id: reference_greedy(ref, r.prompt, 30) for r in reqs}
     eng.draft_hook = oracle_hook(want, p_correct=0.6, seed=k)
@@ -107,10 +108,11 @@ def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k):
+@pytest.mark.parametrize("k,pipelined", [(1, False), (2, False), (3, False), (4, False), (3, True)])
+def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True)  # the default on GPU backends
+    # shape_stable: the default on GPU backends
+    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, pipeline_drafts=pipelined)
     rec = ShapeRecorder(monkeypatch, eng)
     for n in WARM_UP:
         for depth in range(1, k + 1):

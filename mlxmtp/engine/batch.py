@@ -48,7 +48,7 @@ class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
                  max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = 512,
                  prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
-                 shape_stable: Optional[bool] = None):
+                 shape_stable: Optional[bool] = None, pipeline_drafts: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.pieces = model_pieces(model, enable_mtp)
@@ -66,6 +66,12 @@ class BatchGenerator:
         # compiles kernels per shape needs. Off by default on the CPU backend, which compiles
         # nothing per shape, and where attending over a whole buffer costs real work.
         self.shape_stable = mx.default_device() != mx.cpu if shape_stable is None else shape_stable
+        # Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by
+        # default: each cycle then builds the Gated DeltaNet replay a rollback may need whether
+        # or not it is needed (one fused kernel on Metal, step-by-step ops elsewhere), which
+        # cost more than the overlap saved on the GPU measured (see BENCHMARKS.md).
+        self.pipeline_drafts = pipeline_drafts and not profile
+        self.shape_stable = self.shape_stable or self.pipeline_drafts
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
         self.batch = Batch(self.shape_stable)
@@ -172,16 +178,15 @@ class BatchGenerator:
         if self.pieces.head is not None and self.policy.needs_costs(len(self.rows)):
             self.policy.seed_costs(len(self.rows), calibration.measure_cycle_costs(
                 self.pieces, len(self.rows), self.policy.max_depth, self.shape_stable,
-                pipelined=self.shape_stable and not self.profile))
+                pipelined=self.pipeline_drafts))
             self.clock.untimed()
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1
         # Pipelined: queued on the device, read in the next step after the next cycle is
-        # queued (logits processors need each token on the host; a drafting cycle built on
-        # an unread one needs shape-stable caches; profiling times the parts apart).
-        pipelined = all(not r.sampler.procs for r in self.rows) and (
-            k == 0 or (self.shape_stable and not self.profile))
+        # queued (logits processors need each token on the host; drafting cycles only
+        # with `pipeline_drafts`).
+        pipelined = all(not r.sampler.procs for r in self.rows) and (k == 0 or self.pipeline_drafts)
         prev = self._inflight
         if prev is not None and not (pipelined and (prev.k > 0) == (k > 0)):
             self._drain(events)

@@ -30,10 +30,13 @@ from .limits import MAX_DRAFT_DEPTH
 @click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
               help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@click.option("--pipeline-drafts", is_flag=True,
+              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches; slower than the default on the GPU measured, see BENCHMARKS.md).")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
-             mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None):
+             mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
+             pipeline_drafts=False):
     """Generate a completion for PROMPT."""
     from ..models.load import MTPLoadError, load
     from .generate import generate as run
@@ -57,7 +60,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         raise click.BadParameter(str(e)) from e
     t0 = time.perf_counter()
     res = run(m, tok, ids, max_tokens=max_tokens, params=params, enable_mtp=enable_mtp and m.mtp.active,
-              num_draft=num_draft, profile=profile)
+              num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts)
     wall = time.perf_counter() - t0
     stats = res.stats.as_dict()
     stats["wall_seconds"] = wall

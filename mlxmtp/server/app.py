@@ -69,7 +69,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
                prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
-               max_body_mb: float = 8.0, strict_model_name: bool = False) -> Starlette:
+               max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
     name asked for) unless `strict_model_name`: then only the model id and its aliases."""
@@ -79,7 +79,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
 
     def make_engine():
         return BatchGenerator(model, tok, enable_mtp=mtp_active, num_draft=num_draft, max_batch=max_concurrent,
-                              prefix_cache_bytes=int(prefix_cache_mb) * 2**20)
+                              prefix_cache_bytes=int(prefix_cache_mb) * 2**20, pipeline_drafts=pipeline_drafts)
 
     bridge = EngineBridge(make_engine, metrics)
     model_id = model_id or "mlxmtp-demo"

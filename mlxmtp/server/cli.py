@@ -35,6 +35,8 @@ log = logging.getLogger("mlxmtp.server")
               help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest request body in MiB; bigger ones get 413.")
+@click.option("--pipeline-drafts", is_flag=True,
+              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches; slower than the default on the GPU measured, see BENCHMARKS.md).")
 @click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
@@ -53,7 +55,7 @@ log = logging.getLogger("mlxmtp.server")
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
-          draft_vocab=0, draft_vocab_file=None):
+          draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
     _check_api_key(api_key)  # before the (slow) model load
     from ..models.load import MTPLoadError, load
@@ -81,6 +83,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     from .app import create_app
 
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
+                     pipeline_drafts=pipeline_drafts,
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name)
