@@ -24,9 +24,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine import batch as batch_mod
 from mlxmtp.engine import cycle
-from mlxmtp.engine import mlx_lm_adapter as adapter
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import generate
+from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.load import load
 from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS

@@ -31,10 +31,10 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from mlxmtp.engine import mlx_lm_adapter as adapter
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.load import load
 from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS

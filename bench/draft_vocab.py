@@ -32,8 +32,8 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import TextModelArgs
 
+from mlxmtp.mlxlm.family import TextParts
 from mlxmtp.models.draft_vocab import DraftVocab
-from mlxmtp.models.family import TextParts
 from mlxmtp.models.mtp_head import MTPHead
 
 QWEN35_4B = dict(model_type="qwen3_5_text", hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,

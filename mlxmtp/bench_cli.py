@@ -64,11 +64,10 @@ def _timed(events) -> dict:
 
 
 def run_mlx_lm(model, tok, ids: List[int], gen: int, temp: float) -> dict:
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
+    # On use: `mlxmtp` start-up imports every subcommand module, and mlx_lm takes seconds.
+    from .mlxlm.sampling import reference_tokens
 
-    stream = mlx_lm.stream_generate(model, tok, ids, max_tokens=gen, sampler=make_sampler(temp=temp))
-    return _timed(1 for _ in stream)
+    return _timed(1 for _ in reference_tokens(model, tok, ids, gen, temp))
 
 
 def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict:

@@ -201,7 +201,7 @@ def build(cfg: dict):
     import mlx.core as mx
     from mlx_lm.models import qwen3_5
 
-    from mlxmtp.models.family import text_parts
+    from mlxmtp.mlxlm.family import text_parts
     from mlxmtp.models.mtp_head import MTPHead
 
     mx.random.seed(SEED)
@@ -353,7 +353,7 @@ def verify_export(model, head, out: Path, held_ids: np.ndarray) -> dict:
     import mlx_lm
 
     import mlxmtp
-    from mlxmtp.models.family import text_parts
+    from mlxmtp.mlxlm.family import text_parts
 
     x = mx.array(held_ids[None, :129])
     parts = text_parts(model)
@@ -699,7 +699,7 @@ def cmd_measure(args) -> None:
     from mlx_lm.models import qwen3_5
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from mlxmtp.models.family import text_parts
+    from mlxmtp.mlxlm.family import text_parts
     from mlxmtp.models.mtp_head import MTPHead
     from mlxmtp.testing.fixtures import make_config
 

@@ -16,8 +16,8 @@ from mlxmtp.checkpoint import hf_head, mtp_folder
 from mlxmtp.convert import add_mtp_weights as amw
 from mlxmtp.convert.cli import add_mtp_weights as cli
 from mlxmtp.engine.generate import generate
+from mlxmtp.mlxlm.family import text_parts
 from mlxmtp.models import load as L
-from mlxmtp.models.family import text_parts
 from mlxmtp.testing import fixtures as fx
 
 CASES = [(name, bits) for name in fx.FAMILIES for bits in (4, 8)]

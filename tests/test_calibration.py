@@ -11,6 +11,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.cycle_costs import CycleCosts
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.pieces import model_pieces
+from mlxmtp.models.load import load
 
 
 @pytest.mark.parametrize("batch_size,pipelined", [(1, False), (3, True)])
@@ -24,7 +25,9 @@ def test_measured_costs_cover_every_depth(fixture_model, batch_size, pipelined):
 
 
 def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypatch):
-    model, tok, ref = loaded(str(fixture_model("qwen3_next")["hf"]))
+    path = str(fixture_model("qwen3_next")["hf"])
+    _, _, ref = loaded(path)
+    model, tok = load(path)  # a model of its own: the policy is shared by the model's engines
     calls = []
     measure = calibration.measure_cycle_costs
 
@@ -34,13 +37,13 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
 
     monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
     prompt = prompt_of(30, seed=4)
-    for _ in range(2):  # the policy (and what it measured) is shared by the model's engines
-        res = generate(model, tok, prompt, max_tokens=40)
+    for _ in range(2):
+        eng = BatchGenerator(model, tok)
+        res = generate(model, tok, prompt, max_tokens=40, engine=eng)
         assert res.token_ids == reference_greedy(ref, prompt, 40)
         assert adaptive.CALIBRATING not in res.stats.depth_reasons
     assert calls == [1]
-    policy = next(iter(model.mtp.policies.values()))
-    assert all(c is not None for c in policy.costs[1].costs(range(5)).values())
+    assert all(c is not None for c in eng.policy.costs[1].costs(range(5)).values())
 
 
 def test_pinned_depths_do_not_calibrate(fixture_model, monkeypatch):

@@ -9,8 +9,8 @@ from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxmtp.engine.batch import BatchGenerator
-from mlxmtp.engine.ragged_cache import RaggedKVCache
 from mlxmtp.engine.request import Request
+from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 
 
 def reference_cache(ref_model, tokens):
@@ -72,7 +72,7 @@ def test_stop_string_inside_accepted_draft(fixture_model):
     req = Request(prompt=prompt, max_tokens=40, stop=[stop])
     eng.submit(req)
     eng.draft_hook = oracle_hook({req.id: want}, p_correct=1.0)
-    text, ids, reason, last_cache = "", [], None, None
+    text, ids, reason, last_cache, fired = "", [], None, None, None
     while eng.has_work:
         if eng.cache is not None:
             last_cache = eng.cache
@@ -80,7 +80,8 @@ def test_stop_string_inside_accepted_draft(fixture_model):
             text += ev.text
             ids += ev.token_ids
             reason = ev.finish_reason or reason
-    assert reason == "stop"
+            fired = ev.stop or fired
+    assert reason == "stop" and fired == stop
     assert stop not in text
     assert full_text.startswith(text + stop)
     assert ids == want[: len(ids)] and len(ids) < 40
@@ -160,3 +161,24 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
     assert out == expected
     assert most_pending <= FORGET_AFTER + 1  # a probe starts with a head pass over them
     assert stats.accepted == stats.drafted > 0
+
+
+def test_the_earliest_stop_string_is_reported(fixture_model):
+    """Several stop strings: the one that ends first in the text ends the request, and the
+    final event names it (the server reports it as Anthropic's stop_sequence)."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompt = prompt_of(12, seed=3)
+    want = reference_greedy(ref, prompt, 40)
+    full = tok.decode(want)
+    early = full[len(tok.decode(want[:6])) : len(tok.decode(want[:8]))]
+    late = full[len(tok.decode(want[:20])) : len(tok.decode(want[:23]))]
+    assert early and late and early not in full[: len(tok.decode(want[:6]))]
+    eng = BatchGenerator(model, tok, num_draft=3)
+    req = Request(prompt=prompt, max_tokens=40, stop=[late, early])
+    eng.submit(req)
+    events = []
+    while eng.has_work:
+        events += eng.step()
+    assert events[-1].finish_reason == "stop" and events[-1].stop == early
+    assert all(ev.stop is None for ev in events[:-1])
+    assert "".join(ev.text for ev in events) == full[: full.index(early)]

@@ -195,8 +195,8 @@ def test_inspect_json(fixture_model):
 
 
 def test_pre_norm_switch_feeds_the_backbone_input_of_the_final_norm(fixture_model):
-    from mlxmtp.engine import mlx_lm_adapter as adapter
     from mlxmtp.engine.generate import generate
+    from mlxmtp.mlxlm import adapter
 
     path = str(fixture_model("qwen3_5")["hf"])
     post, tok = load(path)

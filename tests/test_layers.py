@@ -1,5 +1,6 @@
-"""Imports go down the layers only: checkpoint <- models <- convert, and product code never
-imports test support. Read from the source with `ast`; nothing is imported or run."""
+"""Imports go down the layers only: checkpoint, mlxlm <- models <- engine <- server, models <-
+convert; mlx-lm is imported by mlxmtp/mlxlm alone; product code never imports test support.
+Read from the source with `ast`; nothing is imported or run."""
 
 import ast
 from pathlib import Path
@@ -47,7 +48,7 @@ def _reaches(name: str, target: str) -> bool:
 def test_the_walker_resolves_relative_imports():
     # Sanity check of the walker itself on this repository's own layout.
     found = {name for name, _, _ in _imports(PACKAGE / "models" / "load.py")}
-    assert "mlxmtp.checkpoint.hf_head" in found and "mlxmtp.models.family" in found
+    assert "mlxmtp.checkpoint.hf_head" in found and "mlxmtp.mlxlm.family" in found
 
 
 @pytest.mark.parametrize("path", _modules("models"), ids=lambda p: p.name)
@@ -85,3 +86,34 @@ def test_imports_in_function_bodies_say_why(path):
         if "#" not in lines[line - 1] and not lines[i - 1].strip().startswith("#"):
             unexplained.append(line)
     assert not unexplained, f"{path.name}: imports inside functions without a reason, lines {sorted(set(unexplained))}"
+
+
+def _product_modules():
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.parent.name != "testing"]
+
+
+@pytest.mark.parametrize("path", _product_modules(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_only_the_mlxlm_package_imports_mlx_lm(path):
+    if path.parent.name == "mlxlm":
+        return
+    bad = [(n, line) for n, line, _ in _imports(path) if _reaches(n, "mlx_lm")]
+    assert not bad, f"{path.name} imports mlx-lm directly: {bad}"
+
+
+@pytest.mark.parametrize("path", _modules("mlxlm"), ids=lambda p: p.name)
+def test_the_mlxlm_package_imports_no_other_layer(path):
+    bad = [(n, line) for n, line, _ in _imports(path)
+           if _reaches(n, "mlxmtp") and not _reaches(n, "mlxmtp.mlxlm")]
+    assert not bad, f"{path.name} imports above the mlx-lm boundary: {bad}"
+
+
+LAYERS = {"checkpoint": 0, "mlxlm": 0, "models": 1, "convert": 2, "engine": 2, "server": 3}
+
+
+@pytest.mark.parametrize("path", [p for layer in LAYERS for p in _modules(layer)],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_imports_go_down_the_layers(path):
+    mine = LAYERS[path.parent.name]
+    bad = [(n, line) for n, line, _ in _imports(path) for layer, rank in LAYERS.items()
+           if _reaches(n, f"mlxmtp.{layer}") and layer != path.parent.name and rank >= mine]
+    assert not bad, f"{path.name} imports its own level or above: {bad}"

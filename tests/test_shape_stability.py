@@ -14,7 +14,7 @@ from mlx_lm.models import gated_delta
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.policy import Policy
 from mlxmtp.engine.request import Request
-from mlxmtp.models import gdn_capture
+from mlxmtp.mlxlm import gdn_capture
 
 
 def _shape(x):
@@ -195,7 +195,7 @@ def test_head_step_over_a_whole_buffer_is_masked(fixture_model):
     output equals the step on a sliced cache (it used to attend to the whole buffer)."""
     import numpy as np
 
-    from mlxmtp.engine import mlx_lm_adapter as adapter
+    from mlxmtp.mlxlm import adapter
 
     model, _, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     head, H = model.mtp.head, model.mtp.parts.args.hidden_size

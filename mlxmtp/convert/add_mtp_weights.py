@@ -27,12 +27,12 @@ import mlx.nn as nn
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import snapshot_download
 from mlx.utils import tree_flatten
-from mlx_lm.utils import load_model
 from tqdm.auto import tqdm
 
 from ..checkpoint import hf_head, mtp_folder
 from ..checkpoint.tensor_files import ST_DTYPES, TensorFileError, TensorReader, nbytes
-from ..models.family import UnsupportedModelError, family_of, text_config, text_parts
+from ..mlxlm.family import UnsupportedModelError, family_of, text_config, text_parts
+from ..mlxlm.loading import load_model
 from ..models.load import MTPLoadError, build_head, check_norm_convention
 from ..models.mtp_head import MTPHead
 

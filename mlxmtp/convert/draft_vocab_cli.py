@@ -6,15 +6,16 @@ from pathlib import Path
 
 import click
 
+from ..mlxlm.loading import load_config, load_tokenizer
+
 TOKENIZER_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
 
 
 def _tokenizer_and_config(model: str):
     """(model folder, mlx-lm tokenizer with the model's EOS ids, config); a Hugging Face
     repo id downloads the tokenizer and configs only."""
-    # On use: `mlxmtp` start-up imports every subcommand module, and mlx_lm takes seconds.
+    # On use: `mlxmtp` start-up imports every subcommand module.
     from huggingface_hub import snapshot_download
-    from mlx_lm.utils import load_config, load_tokenizer
 
     path = Path(model).expanduser()
     if not path.exists():
@@ -36,7 +37,7 @@ def draft_vocab(model, corpus, more, size, out):
     vocabulary (used with --draft-vocab N on serve / generate; N up to --size)."""
     # On use: `mlxmtp` start-up imports every subcommand module, and these pull in mlx.
     from ..checkpoint import token_list
-    from ..models.family import text_config
+    from ..mlxlm.family import text_config
 
     files = [Path(f) for f in (*corpus, *more)]
     if not files:

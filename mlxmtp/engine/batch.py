@@ -28,8 +28,8 @@ from typing import List, Optional, Set
 
 import mlx.core as mx
 
+from ..mlxlm import adapter
 from . import calibration, cycle, head_inputs, scheduler
-from . import mlx_lm_adapter as adapter
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
 from .limits import MAX_DRAFT_DEPTH
@@ -62,7 +62,7 @@ class BatchGenerator:
         # profile: evaluate drafts on their own (one more sync per cycle) to split device
         # time into draft and verify; off by default, the split is for benchmarks.
         self.profile = profile
-        # Shape-stable drafting cycles (see ragged_cache): what a GPU backend that plans or
+        # Shape-stable drafting cycles (see mlxlm/ragged_cache.py): what a GPU backend that plans or
         # compiles kernels per shape needs. Off by default on the CPU backend, which compiles
         # nothing per shape, and where attending over a whole buffer costs real work.
         self.shape_stable = mx.default_device() != mx.cpu if shape_stable is None else shape_stable

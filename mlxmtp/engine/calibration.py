@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict
+from typing import Callable, Dict
 
 import mlx.core as mx
 
-from ..models import gdn_capture
-from . import mlx_lm_adapter as adapter
+from ..mlxlm import adapter, gdn_capture
 from .pieces import ModelPieces
 
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
-REPS = 3  # timed repetitions of each measurement, after one untimed warm-up
+REPS = 5  # timed rounds over every depth, after one untimed round
 
 
 def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int,
@@ -46,24 +45,29 @@ def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int,
         adapter.fix_shapes(cache, 2)
         adapter.fix_shapes(head_cache, 1)
     g = hidden[:, -1:]
-    costs = {0: _median(lambda: _plain_steps(pieces, cache, batch_size, 4)) / 4}
     n = 3 if pipelined else 1
+    runs = {0: lambda: _plain_steps(pieces, cache, batch_size, 4) / 4}
     for k in range(1, max_depth + 1):
-        costs[k] = _median(lambda depth=k: _drafting_cycles(pieces, cache, head_cache, g, depth, n)) / n
-    return costs
+        runs[k] = lambda depth=k: _drafting_cycles(pieces, cache, head_cache, g, depth, n) / n
+    return _interleaved(runs)
 
 
-def _median(run) -> float:
-    run()  # warm-up: compiles, and waits out work already queued on the device
-    times = []
-    for _ in range(REPS):
-        t = time.perf_counter()
+def _interleaved(runs: Dict[int, Callable[[], float]]) -> Dict[int, float]:
+    """Seconds per cycle of each depth: every depth once per round (after an untimed round
+    that compiles and waits out work already queued), each round's times taken relative to
+    its own plain cycles, the median of those ratios times the median plain cycle. Ratios
+    of neighbours, as the policy keeps them: a machine whose speed drifts between seconds
+    shifts a round as a whole."""
+    for run in runs.values():
         run()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    rounds = [{k: run() for k, run in runs.items()} for _ in range(REPS)]
+    plain = statistics.median(r[0] for r in rounds)
+    return {k: plain * statistics.median(r[k] / r[0] for r in rounds) for k in runs}
 
 
-def _plain_steps(pieces: ModelPieces, cache: list, batch_size: int, n: int) -> None:
+def _plain_steps(pieces: ModelPieces, cache: list, batch_size: int, n: int) -> float:
+    """n plain decoding steps, pipelined as the engine runs them -> seconds."""
+    t = time.perf_counter()
     y = mx.zeros((batch_size, 1), mx.int32)
     for _ in range(n):
         logits, _ = adapter.forward(pieces.parts, y, cache, pieces.hidden_state)
@@ -71,14 +75,17 @@ def _plain_steps(pieces: ModelPieces, cache: list, batch_size: int, n: int) -> N
         mx.async_eval(y)
     mx.eval(y, *adapter.cache_arrays(cache))
     _trim(cache, n)
+    return time.perf_counter() - t
 
 
-def _drafting_cycles(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int, n: int) -> None:
-    """n cycles of depth k; each is queued on the device while the host builds the next."""
+def _drafting_cycles(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int, n: int) -> float:
+    """n cycles of depth k, each queued on the device while the host builds the next -> seconds."""
+    t = time.perf_counter()
     for _ in range(n):
         out = _drafting_cycle(pieces, cache, head_cache, g, k)
         mx.async_eval(out)
     mx.eval(out)
+    return time.perf_counter() - t
 
 
 def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int) -> list:

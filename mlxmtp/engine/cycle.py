@@ -23,8 +23,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..models import gdn_capture
-from . import mlx_lm_adapter as adapter
+from ..mlxlm import adapter, gdn_capture
 from .pieces import ModelPieces
 from .proposer import draft_unread
 from .state import Batch, Row, acceptance_classes

@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import List, Optional
 
-from mlx_lm.models.cache import ArraysCache
-
-from .ragged_cache import RaggedKVCache
+from ..mlxlm.adapter import ArraysCache, RaggedKVCache
 
 
 class RowFailure(Exception):

@@ -46,12 +46,11 @@ def emit(row: Row, tokens: List[int], events: List[Event], tables=None) -> int:
 
     `tables`: the tokens' logprob tables (verify.logprob_table), None for the first token
     (its table is in row.first_lp)."""
-    out, reason = _append(row, tokens)
+    out, reason, hit = _append(row, tokens)
     stops = row.req.stop
     text = row.detok.text
-    if stops and (hit := _find_stop(text, stops)) is not None:
-        text = text[:hit]
-        reason = reason or "stop"
+    if hit is not None:
+        text = text[: hit[0]]
     # Hold back text that could still grow into a stop string.
     hold = 0 if reason is not None else max((len(s) - 1 for s in stops), default=0)
     upto = max(row.sent, len(text) - hold)
@@ -62,15 +61,16 @@ def emit(row: Row, tokens: List[int], events: List[Event], tables=None) -> int:
         tables = tables if tables is not None else [row.first_lp]
         lp_list = [logprob_entry(t, table, row.req.logprobs) for t, table in zip(out, tables)]
     events.append(Event(row.req.id, out, delta, reason, logprobs=lp_list,
-                        stats=row.stats if reason else None))
+                        stats=row.stats if reason else None, stop=hit[1] if hit is not None else None))
     return len(out) if reason else 0
 
 
-def _append(row: Row, tokens: List[int]) -> Tuple[List[int], Optional[str]]:
-    """Add tokens to the row and its detokenizer up to the first that ends it
-    -> (the tokens added, why it ended or None)."""
-    out, reason = [], None
+def _append(row: Row, tokens: List[int]) -> Tuple[List[int], Optional[str], Optional[Tuple[int, str]]]:
+    """Add tokens to the row and its detokenizer up to the first that ends it -> (the
+    tokens added, why it ended or None, (where in the text, which) stop string ended it)."""
+    out, reason, hit = [], None, None
     stops = row.req.stop
+    longest = max((len(s) for s in stops), default=0)
     for t in tokens:
         row.tokens.append(t)
         row.generated += 1
@@ -79,8 +79,11 @@ def _append(row: Row, tokens: List[int]) -> Tuple[List[int], Optional[str]]:
         if t in row.stop_ids:
             reason = "stop"
             break
+        before = len(row.detok.text)
         row.detok.add_token(t)
-        if stops and _find_stop(row.detok.text, stops) is not None:
+        # Only a stop string ending in this token's text is new: search from where one
+        # could start (the text before it was searched already).
+        if stops and (hit := _find_stop(row.detok.text, stops, max(0, before - longest + 1))) is not None:
             reason = "stop"
             break
         if row.generated >= row.req.max_tokens:
@@ -88,7 +91,7 @@ def _append(row: Row, tokens: List[int]) -> Tuple[List[int], Optional[str]]:
             break
     if reason is not None:
         row.detok.finalize()
-    return out, reason
+    return out, reason, hit
 
 
 def failed(request_id: int, failure: RowFailure, stats: Optional[RequestStats]) -> Event:
@@ -97,12 +100,13 @@ def failed(request_id: int, failure: RowFailure, stats: Optional[RequestStats]) 
     return Event(request_id, [], "", "error", error=f"generation failed: {failure}", stats=stats)
 
 
-def _find_stop(text: str, stops: List[str]) -> Optional[int]:
+def _find_stop(text: str, stops: List[str], start: int = 0) -> Optional[Tuple[int, str]]:
+    """The earliest stop string in text[start:] -> (its index in text, the string)."""
     best = None
     for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best):
-            best = i
+        i = text.find(s, start)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
     return best
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..models.family import TextParts, text_parts
+from ..mlxlm.family import TextParts, text_parts
 from ..models.mtp_head import MTPHead
 from .adaptive import DepthPolicy
 from .proposer import Vocab
@@ -13,7 +13,7 @@ from .proposer import Vocab
 
 @dataclass(frozen=True)
 class ModelPieces:
-    parts: TextParts  # the main model, run through mlx_lm_adapter.forward
+    parts: TextParts  # the main model, run through mlxlm.adapter.forward
     head: Optional[MTPHead]  # the MTP head; None: plain decoding only
     vocab: Vocab  # what the drafter embeds and projects with (a float32 copy on the CPU for small tables)
     hidden_state: str  # which main-model hidden state feeds the head: "post_norm" or "pre_norm"

@@ -19,7 +19,7 @@ from typing import List
 
 import mlx.core as mx
 
-from . import mlx_lm_adapter as adapter
+from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import emit, failed
 from .pieces import ModelPieces

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import mlx_lm_adapter as adapter
+from ..mlxlm import adapter
 
 Tokens = Tuple[int, ...]
 

@@ -14,8 +14,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..mlxlm.family import TextParts
 from ..models.draft_vocab import DraftVocab
-from ..models.family import TextParts
 from ..models.mtp_head import MTPHead
 
 # A row's pending hidden states are kept as segments (array, row, n): the first n

@@ -108,3 +108,4 @@ class Event:
     logprobs: Optional[List[dict]] = None  # per token: {"token", "logprob", "top": [(id, lp), ...]}
     stats: Optional[RequestStats] = None  # on the final event
     error: Optional[str] = None
+    stop: Optional[str] = None  # the stop string that ended the request (finish_reason "stop")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from ..mlxlm.sampling import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Callable, List, Set, Tuple
 
 import mlx.core as mx
 
-from . import mlx_lm_adapter as adapter
+from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import failed
 from .prefix_cache import PrefixCache

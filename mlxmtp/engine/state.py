@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import mlx_lm_adapter as adapter
+from ..mlxlm import adapter
 from .proposer import Segment
 from .request import Request, RequestStats
 from .sampling import RowSampler

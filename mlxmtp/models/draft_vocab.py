@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoint import token_list
-from .family import TextParts
+from ..mlxlm.family import TextParts
 
 log = logging.getLogger("mlxmtp")
 

@@ -22,9 +22,10 @@ from mlx.utils import tree_flatten, tree_map
 
 from ..checkpoint import hf_head, mtp_folder, tensor_files
 from ..checkpoint.token_list import DraftVocabError
+from ..mlxlm import loading
+from ..mlxlm.family import TextParts, family_of, text_config, text_parts
 from .demo import demo_model_path
 from .draft_vocab import DraftVocab, draft_token_ids
-from .family import TextParts, family_of, text_config, text_parts
 from .mtp_head import MTPHead
 
 log = logging.getLogger("mlxmtp")
@@ -233,12 +234,10 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     draft_vocab=N (> 0): the head drafts only from the first N tokens of the model's token
     list (`mtp/draft_vocab.json`, or `draft_vocab_file`); vocabularies over 64K only.
     """
-    import mlx_lm  # imported on use: it takes seconds, and `mlxmtp inspect` never needs it
-
     if path_or_hf_id is None:
         path_or_hf_id = str(demo_model_path())
     model_dir = resolve_model_path(str(path_or_hf_id), revision)
-    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy)
+    model, tokenizer = loading.load(model_dir, lazy=lazy)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
         attachment = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,

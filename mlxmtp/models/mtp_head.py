@@ -15,7 +15,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .family import TextParts
+from ..mlxlm.family import TextParts, attention_mask, mlp_classes
 
 
 class MTPHead(nn.Module):
@@ -50,12 +50,9 @@ class MTPHead(nn.Module):
         if cache is None:
             cache = [None] * len(self.layers)
         if mask is None and (x.shape[1] > 1 or cache[0] is not None):
-            # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
-            from mlx_lm.models.base import create_attention_mask
-
             # None for one token over a sliced cache; an explicit mask where the cache hands
             # over its whole buffer (RaggedKVCache's shape-stable mode), one token included.
-            mask = create_attention_mask(x, cache[0])
+            mask = attention_mask(x, cache[0])
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask=mask, cache=c)
         return self.norm(x)
@@ -65,13 +62,7 @@ def _force_mlp_kind(layers, parts: TextParts, moe: bool) -> None:
     """The head's MLP kind comes from its tensors, not from config rules such as
     `decoder_sparse_step` / `mlp_only_layers`, which describe the main layers."""
     args = parts.args
-    # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
-    from mlx_lm.models import qwen3_5, qwen3_next
-
-    if parts.family == "qwen3_next":
-        MLP, MoE = qwen3_next.Qwen3NextMLP, qwen3_next.Qwen3NextSparseMoeBlock
-    else:
-        MLP, MoE = qwen3_5.MLP, qwen3_5.SparseMoeBlock
+    MLP, MoE = mlp_classes(parts.family)
     for layer in layers:
         is_moe = isinstance(layer.mlp, MoE)
         if moe and not is_moe:

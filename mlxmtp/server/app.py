@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.batch import BatchGenerator
-from ..models.family import text_parts
+from ..mlxlm.family import text_parts
 from . import anthropic_api, openai_api, responses_api
 from .engine_thread import EngineBridge
 from .errors import APIError, error_response, is_anthropic_path

@@ -52,6 +52,7 @@ class Generation:
         self.token_ids: List[int] = []
         self.logprobs: List[dict] = []
         self.finish_reason: Optional[str] = None
+        self.stop: Optional[str] = None  # the stop string that ended it (engine Event.stop)
         self.error: Optional[str] = None
         self.stats = None
         self.pieces: List[Piece] = []
@@ -128,6 +129,7 @@ class Generation:
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
             self.stats = ev.stats
+            self.stop = ev.stop
             if ev.stats is not None:
                 self.state.metrics.on_finish(ev.stats)
         return pieces
@@ -169,16 +171,8 @@ class Generation:
         return bool(self.token_ids) and self.token_ids[-1] in set(stop_ids)
 
     def stop_sequence(self) -> Optional[str]:
-        """Which stop string ended the output (None for EOS / length)."""
-        if self.finish_reason != "stop" or not self.req.stop or self.ended_on_eos():
-            return None
-        full = self.state.tok.decode(self.token_ids)
-        at = len(self.raw_text)
-        for s in self.req.stop:
-            if full.startswith(s, at):
-                return s
-        found = [(full.find(s), s) for s in self.req.stop if s in full]
-        return min(found)[1] if found else self.req.stop[0]
+        """Which stop string ended the output (None for EOS / length), as the engine found it."""
+        return self.stop
 
 
 def finish_error(gen: Generation) -> APIError:

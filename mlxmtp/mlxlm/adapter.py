@@ -1,8 +1,4 @@
-"""Everything the engine needs from mlx-lm's internals, in one place.
-
-Tested with mlx-lm 0.32.x (pinned in pyproject). If mlx-lm changes its Qwen model
-files, this module, models/family.py and models/gdn_capture.py are what to revisit.
-"""
+"""The engine's forward pass, caches and rollback over mlx-lm's model classes."""
 
 from __future__ import annotations
 
@@ -12,8 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from ..models import gdn_capture
-from ..models.family import TextParts
+from . import gdn_capture
+from .family import TextParts
 from .ragged_cache import RaggedKVCache
 
 
@@ -41,26 +37,40 @@ def forward(parts: TextParts, tokens: mx.array, cache: list, hidden_state: str =
 
     The logits are computed by the same calls as mlx-lm's own `__call__` (backbone, then
     lm_head / tied embedding), so they are identical; the post-norm hidden state is the
-    backbone's output itself, free. Pre-norm needs the input of the final norm.
+    backbone's output itself, free. Pre-norm is the input of the final norm, which a tap
+    installed on that norm once keeps (see _norm_tap).
     """
     if hidden_state == "pre_norm":
-        norm = parts.backbone.norm
-        captured = {}
-        orig = type(norm).__call__
-
-        class _Tap(type(norm)):
-            def __call__(self, x):
-                captured["x"] = x
-                return orig(self, x)
-
-        norm.__class__ = _Tap
-        try:
-            h = parts.backbone(tokens, cache)
-        finally:
-            norm.__class__ = type(norm).__mro__[1]
-        return parts.lm_head(h), captured["x"]
+        tap = _norm_tap(parts.backbone.norm)
+        h = parts.backbone(tokens, cache)
+        x, tap.x = tap.x, None
+        return parts.lm_head(h), x
     h = parts.backbone(tokens, cache)
     return parts.lm_head(h), h
+
+
+class _TapSlot:
+    """Where a tapped norm leaves its last input (a plain object: an array attribute of an
+    nn.Module would become one of its parameters)."""
+
+    x = None
+
+
+def _norm_tap(norm: nn.Module) -> _TapSlot:
+    """The norm's tap, installed on first use: its class becomes a subclass that keeps its
+    input in the tap (same computation, same parameters)."""
+    tap = getattr(norm, "_mlxmtp_tap", None)
+    if tap is None:
+        base = type(norm)
+
+        def __call__(self, x):
+            self._mlxmtp_tap.x = x
+            return base.__call__(self, x)
+
+        tap = _TapSlot()
+        norm._mlxmtp_tap = tap
+        norm.__class__ = type(f"Tapped{base.__name__}", (base,), {"__call__": __call__})
+    return tap
 
 
 def gdn_layers(cache: list) -> List[ArraysCache]:

@@ -75,3 +75,21 @@ def text_parts(model: nn.Module) -> TextParts:
     family = family_of({"model_type": model_type})
     text_model = model.language_model if hasattr(model, "language_model") else model
     return TextParts(family=family, text_model=text_model, args=text_model.args)
+
+
+def mlp_classes(family: str):
+    """(dense MLP class, sparse MoE class) of a family's decoder layers."""
+    # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    if family == "qwen3_next":
+        return qwen3_next.Qwen3NextMLP, qwen3_next.Qwen3NextSparseMoeBlock
+    return qwen3_5.MLP, qwen3_5.SparseMoeBlock
+
+
+def attention_mask(h: mx.array, cache):
+    """mlx-lm's attention mask for the tokens h [B, T, H] over `cache` (its own make_mask)."""
+    # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
+    from mlx_lm.models.base import create_attention_mask
+
+    return create_attention_mask(h, cache)

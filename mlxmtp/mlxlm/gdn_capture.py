@@ -9,7 +9,8 @@ while `record()` is active each Gated DeltaNet layer keeps
   (q, k, v, a, b as the layer passed them), from which `LayerRecord.state_after` replays
   the recurrence alone (not the layer's projections) over the accepted positions.
 
-The verify itself goes through mlx-lm's own `gated_delta_update` dispatch, so it takes
+`Recorder` is the explicit object: a forward run inside `with recorder.active():` (or
+`with record() as rec:`) fills `rec.layers`. The verify itself goes through mlx-lm's own `gated_delta_update` dispatch, so it takes
 mlx-lm's fused kernel wherever mlx-lm has one (Metal) and its ops path elsewhere; the
 replay goes through the same dispatch with a mask that stops each row at its accepted
 length (a masked step keeps the state as it was), so it computes exactly the states
@@ -19,6 +20,7 @@ a plain decoder would have. Outside `record()` nothing changes.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
@@ -59,29 +61,38 @@ class LayerRecord:
 
 
 class Recorder:
+    """What one verify forward recorded: one LayerRecord per Gated DeltaNet layer, in
+    layer order. Active inside `with recorder.active():` on the calling thread only."""
+
     def __init__(self):
         self.layers: List[LayerRecord] = []
         self._conv_pending: Optional[mx.array] = None
 
+    @contextlib.contextmanager
+    def active(self):
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
 
-_ACTIVE: Optional[Recorder] = None
+
+# The recorder of the forward running on this thread, if any. mlx-lm's layers call the
+# module-level `gated_delta_update` and their conv by name, with nothing that could carry
+# a recorder along, so the hooks find it here (a context variable: scoped to the `with`
+# block and to the thread or task that entered it).
+_CURRENT: contextvars.ContextVar[Optional[Recorder]] = contextvars.ContextVar("gdn_recorder", default=None)
 
 
-@contextlib.contextmanager
 def record():
-    """Record every Gated DeltaNet layer's rollback inputs, in layer order."""
-    global _ACTIVE
-    prev, _ACTIVE = _ACTIVE, Recorder()
-    try:
-        yield _ACTIVE
-    finally:
-        _ACTIVE = prev
+    """A new Recorder, active for the `with` block: `with record() as rec: forward(...)`."""
+    return Recorder().active()
 
 
 def _recording_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                       use_kernel=True, lower_bound=None, allow_neg_eigval=False):
     options = dict(use_kernel=use_kernel, lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
-    rec = _ACTIVE
+    rec = _CURRENT.get()
     if rec is not None and state is None:  # the dispatch starts from zeros; so must a replay
         B, _, _, Dk = q.shape
         Hv, Dv = v.shape[-2:]
@@ -99,22 +110,19 @@ class RecordingConv1d(nn.Conv1d):
     """The Gated DeltaNet depthwise conv; its input is the full conv window."""
 
     def __call__(self, x):
-        if _ACTIVE is not None:
-            _ACTIVE._conv_pending = x
+        rec = _CURRENT.get()
+        if rec is not None:
+            rec._conv_pending = x
         return super().__call__(x)
 
 
-_installed = False
-
-
 def install(model: nn.Module) -> None:
-    """Route the Gated DeltaNet layers of `model` through the recording hooks (idempotent)."""
-    global _installed
-    if not _installed:
-        # Both model files import the function by name; patch where it is looked up.
-        qwen3_5.gated_delta_update = _recording_update
-        qwen3_next.gated_delta_update = _recording_update
-        _installed = True
+    """Route the Gated DeltaNet layers of `model` through the recording hooks, once per
+    model (idempotent); outside an active recorder they change nothing."""
+    # Both model files import the function by name: patched where it is looked up.
+    for module in (qwen3_5, qwen3_next):
+        if module.gated_delta_update is not _recording_update:
+            module.gated_delta_update = _recording_update
     for _, m in model.named_modules():
         if isinstance(m, (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)):
             if type(m.conv1d) is nn.Conv1d:

@@ -1,0 +1,37 @@
+"""Loading through mlx-lm: models with their tokenizers, configs, tokenizers alone.
+
+mlx-lm is imported on use: it takes seconds, and `mlxmtp inspect` and the CLI's start-up
+never need it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+def load(model_dir: Path, lazy: bool = False):
+    """(model, tokenizer) of a local MLX or HF folder, as `mlx_lm.load` makes them."""
+    import mlx_lm
+
+    return mlx_lm.load(str(model_dir), lazy=lazy)
+
+
+def load_model(model_dir: Path, lazy: bool = True):
+    """(model, config) without the tokenizer."""
+    from mlx_lm.utils import load_model as _load_model
+
+    return _load_model(Path(model_dir), lazy=lazy)
+
+
+def load_config(model_dir: Path) -> dict:
+    """config.json with generation_config's eos_token_id merged in, as `mlx_lm.load` does."""
+    from mlx_lm.utils import load_config as _load_config
+
+    return _load_config(Path(model_dir))
+
+
+def load_tokenizer(model_dir: Path, eos_token_ids: Optional[list] = None):
+    from mlx_lm.utils import load_tokenizer as _load_tokenizer
+
+    return _load_tokenizer(Path(model_dir), eos_token_ids=eos_token_ids)
