@@ -78,7 +78,7 @@ def profile_depth(model, tok, prompt, k, max_tokens):
 
 def host_device_split(model, sizes=(1, 2, 3, 4, 5), context=128, reps=20):
     """Median ms to build one T-token forward's graph, and to evaluate it."""
-    parts = model.mtp.parts
+    parts = model.parts
     cache = adapter.make_cache(parts, 1)
     mx.eval(adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)[0])
     out = {}

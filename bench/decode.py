@@ -59,7 +59,7 @@ def forward_costs(model, sizes, context=128, reps=20):
     jumps between seconds). The cache is filled once; after each timed forward the
     attention caches are trimmed back (the Gated DeltaNet state just moves on: its cost
     does not depend on its values)."""
-    parts = model.mtp.parts
+    parts = model.parts
     cache = adapter.make_cache(parts, 1)
     logits, _ = adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)
     mx.eval(logits)

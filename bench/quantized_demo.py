@@ -35,8 +35,8 @@ def quantized_demo(out, bits: int = 4, group_size: int = 64) -> Path:
     with contextlib.redirect_stdout(io.StringIO()):
         convert(str(src), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=group_size)
     model, _ = load(str(src))
-    head = model.mtp.head
-    head.set_dtype(model.mtp.parts.embed_tokens.weight.dtype)  # the CPU fp32 cast undone: as stored
+    head = model.head
+    head.set_dtype(model.parts.embed_tokens.weight.dtype)  # the CPU fp32 cast undone: as stored
     nn.quantize(head, group_size=group_size, bits=bits,
                 class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0)
     config, _ = mtp_folder.read_mtp_folder(src)

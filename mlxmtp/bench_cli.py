@@ -162,11 +162,11 @@ def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_
     m, tok = load(model, mtp=True, mtp_fallback=True)
     tok._eos_token_ids = set()  # every run generates exactly -g tokens (mlx_lm.benchmark does the same)
     settings = [("mlx-lm", None)] * (not no_mlx_lm) + [("MTP off", 0)]
-    if m.mtp.active:
+    if m.active:
         settings += [("adaptive", "adaptive")] + [(f"k={k}", k) for k in fixed]
     runs = len(lengths) * len(settings) * (num_trials + 1)
-    report = {"model": model or "mlxmtp-demo", "mtp_active": bool(m.mtp.active),
-              "mtp_disabled_reason": m.mtp.disabled_reason, "generation_tokens": generation_tokens,
+    report = {"model": model or "mlxmtp-demo", "mtp_active": bool(m.active),
+              "mtp_disabled_reason": m.disabled_reason, "generation_tokens": generation_tokens,
               "temperature": temp, "num_trials": num_trials, "results": []}
     with tqdm(total=runs, desc="mlxmtp bench", file=sys.stderr, disable=None) as bar:
         for n in lengths:
@@ -186,7 +186,7 @@ def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_
     if as_json:
         click.echo(json.dumps(report))
         return
-    head = f"model: {report['model']}   MTP head: " + ("active" if m.mtp.active else f"inactive ({m.mtp.disabled_reason})")
+    head = f"model: {report['model']}   MTP head: " + ("active" if m.active else f"inactive ({m.disabled_reason})")
     click.echo(f"{head}   generation: {generation_tokens} tokens   temp: {temp}   trials: {num_trials} (medians)")
     for result in report["results"]:
         click.echo(f"\nprompt: {result['prompt_tokens']} tokens")

@@ -364,9 +364,9 @@ def verify_export(model, head, out: Path, held_ids: np.ndarray) -> dict:
     m2, _ = mlx_lm.load(str(out))
     d_logits = mx.abs(m2(x[:, :-1]) - ref_logits).max().item()
     m3, _ = mlxmtp.load(str(out))
-    p3 = m3.mtp.parts
+    p3 = m3.parts
     h3 = p3.backbone(x[:, :-1])
-    d_head = mx.abs(m3.mtp.head(p3.embed_tokens(x[:, 1:]), h3) - ref_head).max().item()
+    d_head = mx.abs(m3.head(p3.embed_tokens(x[:, 1:]), h3) - ref_head).max().item()
     res = {"max_abs_logit_diff_mlx_lm": d_logits, "max_abs_head_diff_mlxmtp": d_head}
     print("export check:", res, flush=True)
     assert d_logits < 1e-4 and d_head < 1e-4, res
@@ -506,7 +506,7 @@ def cmd_finetune_head(args) -> None:
     t_start = time.perf_counter()
     out = Path(args.hf)
     model, _ = mlxmtp.load(str(out))
-    parts, head = model.mtp.parts, model.mtp.head
+    parts, head = model.parts, model.head
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     train_files, held_files = stdlib_files()
     data = encode_corpus(tok, make_documents(train_files, random.Random(SEED)))
@@ -593,7 +593,7 @@ def cmd_finetune_head(args) -> None:
     x = mx.array(held[None, :129])
     hh = parts.backbone(x[:, :-1])
     e = parts.embed_tokens(x[:, 1:])
-    d = mx.abs(m2.mtp.head(e, hh) - head(e, hh)).max().item()
+    d = mx.abs(m2.head(e, hh) - head(e, hh)).max().item()
     print(f"export check (head): max abs diff {d}", flush=True)
     assert d < 1e-4
     meta = json.loads((out / "training.json").read_text())

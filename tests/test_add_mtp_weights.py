@@ -101,7 +101,7 @@ def test_repair_family(tmp_path, fixture_models, name, bits):
 
     # (b) mlxmtp.load attaches a quantized head, quantized like the model.
     model, tok = L.load(str(target))
-    att = model.mtp
+    att = model
     assert att.active and att.source.location == "mtp_folder"
     head = att.head
     assert isinstance(head.fc, nn.QuantizedLinear) and head.fc.bits == bits
@@ -120,10 +120,10 @@ def test_repair_family(tmp_path, fixture_models, name, bits):
 
     # (c) head output close to the HF-loaded head's on identical inputs.
     hf_model, _ = _hf_model(hf)
-    hf_parts = hf_model.mtp.parts
+    hf_parts = hf_model.parts
     tokens, hidden = _head_inputs(hf_parts)
     emb = hf_parts.embed_tokens(tokens)
-    ref = hf_model.mtp.head(emb, hidden)
+    ref = hf_model.head(emb, hidden)
     out = head(emb, hidden)
     rel = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
     assert rel < REL_TOL[bits], rel
@@ -163,9 +163,9 @@ def test_conversion_matches_hf_head_exactly_bits16(tmp_path):
         assert weights[k].dtype == mx.bfloat16, k
         assert mx.array_equal(weights[k], v).item(), k
     model, tok = L.load(str(target))
-    assert type(model.mtp.head.fc) is nn.Linear
+    assert type(model.head.fc) is nn.Linear
     # Stored bf16 (above); on the CPU the loader computes the head in float32 (faster there).
-    assert model.mtp.head.fc.weight.dtype == (mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
+    assert model.head.fc.weight.dtype == (mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
 
 
 def test_per_expert_bf16_chunked_matches(tmp_path, monkeypatch):
@@ -254,7 +254,7 @@ def test_head_present_is_noop_unless_force(tmp_path, fixture_models):
     assert cfg["quantization"]["bits"] == 8
     assert not list(target.glob(".mtp-*"))
     model, _ = L.load(str(target))
-    assert model.mtp.head.fc.bits == 8
+    assert model.head.fc.bits == 8
     # mtp.* in the model's own shards counts as a head too.
     hf_copy = _copy(hf, tmp_path / "hf")
     before = _snapshot(hf_copy)
@@ -301,7 +301,7 @@ def test_kill_during_write_leaves_no_half_head(tmp_path, fixture_models, monkeyp
     mlx_lm.load(str(target))
     _repair(target, hf)
     assert not stale.exists()
-    assert L.load(str(target))[0].mtp.active
+    assert L.load(str(target))[0].active
 
 
 def test_hf_id_from_offline_cache(tmp_path, fixture_models, monkeypatch):
@@ -332,7 +332,7 @@ def test_hf_id_from_offline_cache(tmp_path, fixture_models, monkeypatch):
     cfg, _ = mtp_folder.read_mtp_folder(target)
     assert cfg["source"] == "fake-org/Qwen3.6-tiny" and cfg["expert_layout"] == "fused"
     model, tok = L.load(str(target))
-    assert model.mtp.active
+    assert model.active
     # A repo that is not cached fails cleanly offline.
     other = _copy(fixture_models["qwen3_6_moe"]["mlx_4bit"], tmp_path / "mlx2")
     res = _run("--model", other, "--source", "fake-org/not-cached")

@@ -57,8 +57,8 @@ def demo_model():
 def test_default_model_is_the_packaged_demo_with_an_active_head(demo_model):
     model, _ = demo_model
     assert demo.demo_model_path() == demo.PACKAGED
-    assert model.mtp.active, model.mtp.disabled_reason
-    assert model.mtp.parts.family == "qwen3_5"
+    assert model.active, model.disabled_reason
+    assert model.parts.family == "qwen3_5"
 
 
 def test_demo_model_size_limit():
@@ -106,7 +106,7 @@ def test_drafter_uses_a_float32_vocabulary_copy_on_the_cpu(demo_model):
     import mlx.core as mx
 
     model, _ = demo_model
-    vocab, parts = model.mtp.vocab, model.mtp.parts
+    vocab, parts = model.vocab, model.parts
     assert vocab.copied == (mx.default_device() == mx.cpu)
     h = mx.random.normal((1, 3, parts.args.hidden_size), key=mx.random.key(0))
     ids = mx.array([[1, 2, 3]])

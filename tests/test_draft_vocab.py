@@ -81,7 +81,7 @@ def test_bad_lists_are_refused(fixture_model, corpus, tmp_path):
         load(str(hf), draft_vocab=SIZE)  # no mtp/ folder and no file given
     model, _ = load(str(hf))
     with pytest.raises(token_list.DraftVocabError, match="outside"):
-        dv.DraftVocab(model.mtp.parts, token_ids=[0, 1, 320])
+        dv.DraftVocab(model.parts, token_ids=[0, 1, 320])
 
 
 def test_small_vocabulary_is_not_trimmed(fixture_model, corpus, tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_small_vocabulary_is_not_trimmed(fixture_model, corpus, tmp_path, monkey
     hf = fixture_model("qwen3_5")["hf"]
     make_list(hf, corpus, tmp_path / "l.json")
     model, _ = load(str(hf), draft_vocab=SIZE, draft_vocab_file=tmp_path / "l.json")
-    assert not model.mtp.vocab.trimmed
+    assert not model.vocab.trimmed
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +110,10 @@ def test_trimmed_lm_head_is_the_models_own_on_the_list(fixture_model, corpus, tm
     else:
         path, ids = quantized_with_list
         model, _ = load(str(path), draft_vocab=SIZE)  # the list in mtp/ by default
-    vocab = model.mtp.vocab
+    vocab = model.vocab
     assert vocab.trimmed and (vocab._quant is not None) == (variant == "quantized")
-    h = mx.random.normal((2, 1, model.mtp.parts.args.hidden_size), key=mx.random.key(0))
-    got, full = vocab.lm_head(h), model.mtp.parts.lm_head(h)
+    h = mx.random.normal((2, 1, model.parts.args.hidden_size), key=mx.random.key(0))
+    got, full = vocab.lm_head(h), model.parts.lm_head(h)
     inside = np.zeros(got.shape[-1], bool)
     inside[ids] = True
     assert mx.allclose(got[..., mx.array(ids)], full[..., mx.array(ids)], atol=1e-5).item()
@@ -125,8 +125,8 @@ def test_q_is_a_distribution_over_the_list(fixture_model, corpus, tmp_path):
     hf = fixture_model("qwen3_5")["hf"]
     ids = make_list(hf, corpus, tmp_path / "l.json")["token_ids"]
     model, _ = load(str(hf), draft_vocab=SIZE, draft_vocab_file=tmp_path / "l.json")
-    h = mx.random.normal((1, 1, model.mtp.parts.args.hidden_size), key=mx.random.key(1))
-    logits = model.mtp.vocab.lm_head(h)[:, 0]
+    h = mx.random.normal((1, 1, model.parts.args.hidden_size), key=mx.random.key(1))
+    logits = model.vocab.lm_head(h)[:, 0]
     ctx = [mx.array(ids[:5] + [7, 9], dtype=mx.int32)]
     for params in [dict(temperature=0.7), dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05),
                    dict(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
@@ -243,4 +243,4 @@ def test_generate_and_serve_options(fixture_model, corpus, tmp_path):
         res = CliRunner().invoke(cli, ["serve", "--model", hf, "--draft-vocab", str(SIZE),
                                        "--draft-vocab-file", str(tmp_path / "l.json")])
     assert res.exit_code == 0, res.output
-    assert app.call_args.args[0].mtp.vocab.trimmed  # the model served drafts from the list
+    assert app.call_args.args[0].vocab.trimmed  # the model served drafts from the list

@@ -113,7 +113,7 @@ def test_head_matches_plain_reference(fixture_model, family):
     H = tcfg["hidden_size"]
     emb = rng.normal(size=(7, H)).astype(np.float32)
     hid = rng.normal(size=(7, H)).astype(np.float32)
-    got = np.array(model.mtp.head(mx.array(emb)[None], mx.array(hid)[None]))[0]
+    got = np.array(model.head(mx.array(emb)[None], mx.array(hid)[None]))[0]
     want = reference_head(hf_tensors(path), tcfg, emb, hid)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
@@ -124,8 +124,28 @@ def test_logits_identical_to_stock_mlx_lm(fixture_model, family):
     model, _ = load(path)
     stock, _ = mlx_lm.load(path)
     x = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
-    assert model.mtp.active
+    assert model.active
     assert mx.array_equal(model(x), stock(x)).item()
+
+
+def test_load_returns_the_untouched_mlx_lm_model_with_its_head(fixture_model):
+    """load() gives an MTPModel: the mlx-lm model itself (nothing attached to it, the same
+    parameters as stock mlx-lm's), the head and the engines' shared state beside it; mlx-lm's
+    own generation takes it as it takes the model."""
+    from mlx.utils import tree_flatten
+
+    from mlxmtp.models.load import MTPModel
+
+    path = str(fixture_model("qwen3_5")["hf"])
+    model, tok = load(path)
+    stock, _ = mlx_lm.load(path)
+    assert isinstance(model, MTPModel) and model.active and model.policies == {}
+    assert not hasattr(model.base, "mtp") and not hasattr(model.base, "head")
+    mine, theirs = dict(tree_flatten(model.base.parameters())), dict(tree_flatten(stock.parameters()))
+    assert mine.keys() == theirs.keys() and all(mx.array_equal(mine[k], theirs[k]).item() for k in mine)
+    prompt = tok.encode("def f(x):")
+    a = mlx_lm.generate(model, tok, prompt, max_tokens=8)
+    assert a == mlx_lm.generate(stock, tok, prompt, max_tokens=8)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_tied", "qwen3_6_moe"])
@@ -139,10 +159,10 @@ def test_hf_and_mtp_folder_give_identical_heads(fixture_model, tmp_path, family)
     mtp_folder.write_mtp_folder(target, cfg, weights)
     a, _ = load(str(paths["hf"]))
     b, _ = load(str(target))
-    assert b.mtp.source.location == "mtp_folder"
+    assert b.source.location == "mtp_folder"
     rng = np.random.default_rng(1)
     e, h = (mx.array(rng.normal(size=(1, 5, 64)).astype(np.float32)) for _ in range(2))
-    assert mx.array_equal(a.mtp.head(e, h), b.mtp.head(e, h)).item()
+    assert mx.array_equal(a.head(e, h), b.head(e, h)).item()
     # The injected folder still loads in stock mlx-lm.
     mlx_lm.load(str(target))
 
@@ -152,7 +172,7 @@ def test_missing_head_names_the_repair_command(tmp_path):
     with pytest.raises(MissingMTPHeadError, match="mlxmtp add-mtp-weights"):
         load(str(path))
     model, _ = load(str(path), mtp_fallback=True)
-    assert not model.mtp.active and "add-mtp-weights" in model.mtp.disabled_reason
+    assert not model.active and "add-mtp-weights" in model.disabled_reason
     res = CliRunner().invoke(cli, ["generate", "--model", str(path), "--prompt", "hi", "-m", "3"])
     assert res.exit_code != 0 and "mlxmtp add-mtp-weights" in res.output
 
@@ -202,11 +222,11 @@ def test_pre_norm_switch_feeds_the_backbone_input_of_the_final_norm(fixture_mode
     post, tok = load(path)
     pre, _ = load(path, hidden_state="pre_norm")
     x = mx.array([[5, 6, 7, 8]])
-    lp, hp = adapter.forward(pre.mtp.parts, x, None, "pre_norm")
-    lq, hq = adapter.forward(post.mtp.parts, x, None, "post_norm")
+    lp, hp = adapter.forward(pre.parts, x, None, "pre_norm")
+    lq, hq = adapter.forward(post.parts, x, None, "post_norm")
     assert mx.array_equal(lp, lq).item()  # logits unchanged by the switch
     # post-norm = final_norm(pre-norm): the switch really hands the head the norm's input
-    assert mx.allclose(pre.mtp.parts.backbone.norm(hp), hq, atol=1e-5).item()
+    assert mx.allclose(pre.parts.backbone.norm(hp), hq, atol=1e-5).item()
     assert not mx.allclose(hp, hq).item()
     prompt = [1, 2, 3, 4, 5]
     a = generate(pre, tok, prompt, max_tokens=30, num_draft=2).token_ids

@@ -198,7 +198,7 @@ def test_head_step_over_a_whole_buffer_is_masked(fixture_model):
     from mlxmtp.mlxlm import adapter
 
     model, _, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
-    head, H = model.mtp.head, model.mtp.parts.args.hidden_size
+    head, H = model.head, model.parts.args.hidden_size
     outs = []
     for fixed in (False, True):
         mx.random.seed(0)

@@ -52,7 +52,7 @@ class BatchGenerator:
         self.model = model
         self.tokenizer = tokenizer
         self.pieces = model_pieces(model, enable_mtp)
-        adapter.prepare_model(model)
+        adapter.prepare_model(self.pieces.parts.text_model)
         self.vocab_size = self.pieces.parts.args.vocab_size
         self.policy = shared_policy(model, max_depth, num_draft)
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for

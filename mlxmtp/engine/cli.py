@@ -55,16 +55,16 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     try:
-        params.validate(m.mtp.parts.args.vocab_size)
+        params.validate(m.parts.args.vocab_size)
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
     t0 = time.perf_counter()
-    res = run(m, tok, ids, max_tokens=max_tokens, params=params, enable_mtp=enable_mtp and m.mtp.active,
+    res = run(m, tok, ids, max_tokens=max_tokens, params=params, enable_mtp=enable_mtp and m.active,
               num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts)
     wall = time.perf_counter() - t0
     stats = res.stats.as_dict()
     stats["wall_seconds"] = wall
-    stats["mtp_active"] = bool(enable_mtp and m.mtp.active)
+    stats["mtp_active"] = bool(enable_mtp and m.active)
     if as_json:
         click.echo(json.dumps({"text": res.text, "prompt_tokens": res.prompt_tokens, "token_ids": res.token_ids,
                                "finish_reason": res.finish_reason, "stats": stats}))
@@ -82,4 +82,4 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         click.echo(f"Time: draft {t['draft']:.3f}s, verify {t['verify']:.3f}s, overhead {t['overhead']:.3f}s"
                    + ("" if profile else " (draft is inside verify without --profile)"))
     else:
-        click.echo("MTP: off" + (f" ({m.mtp.disabled_reason})" if m.mtp.disabled_reason else ""))
+        click.echo("MTP: off" + (f" ({m.disabled_reason})" if m.disabled_reason else ""))

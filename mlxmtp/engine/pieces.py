@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..mlxlm.family import TextParts, text_parts
+from ..models.load import MTPModel
 from ..models.mtp_head import MTPHead
 from .adaptive import DepthPolicy
 from .proposer import Vocab
@@ -20,13 +21,12 @@ class ModelPieces:
 
 
 def model_pieces(model, enable_mtp: bool) -> ModelPieces:
-    """A model loaded by mlxmtp carries its head in `model.mtp`; any other runs without."""
-    att = getattr(model, "mtp", None)
-    if att is None:
-        parts, head, hidden_state = text_parts(model), None, "post_norm"
+    """An MTPModel (models.load) brings its head; a plain mlx-lm model runs without."""
+    if isinstance(model, MTPModel):
+        parts, head, hidden_state, vocab = model.parts, model.head, model.hidden_state, model.vocab
     else:
-        parts, head, hidden_state = att.parts, att.head, att.hidden_state
-    vocab = getattr(att, "vocab", None) or parts
+        parts, head, hidden_state, vocab = text_parts(model), None, "post_norm", None
+    vocab = vocab or parts
     return ModelPieces(parts, head if enable_mtp else None, vocab, hidden_state)
 
 
@@ -35,7 +35,7 @@ def shared_policy(model, max_depth: int, num_draft: Optional[int]) -> DepthPolic
 
     Costs and acceptance belong to the model on this machine, not to one engine: engines
     of the same model (e.g. successive `generate` calls) share what was learnt."""
-    policies = getattr(getattr(model, "mtp", None), "policies", None)
+    policies = model.policies if isinstance(model, MTPModel) else None
     key = (max_depth, num_draft)
     if policies is not None and key in policies:
         return policies[key]

@@ -1,10 +1,10 @@
-"""Load an mlx-lm model and attach its MTP head.
+"""Load an mlx-lm model with its MTP head.
 
 mlx-lm loads the main model (and drops `mtp.*` in every `sanitize`); this module
 finds the head's weights — in the HF checkpoint itself or in an injected `mtp/`
-folder — builds an `MTPHead` from mlx-lm's own layer classes and attaches it as
-`model.mtp` (a plain attribute, so the model's parameter tree and logits are
-exactly stock mlx-lm's).
+folder — builds an `MTPHead` from mlx-lm's own layer classes, and returns an `MTPModel`
+holding the untouched mlx-lm model, the head and what the engine learns about them (the
+model's parameter tree and logits stay exactly stock mlx-lm's).
 """
 
 from __future__ import annotations
@@ -54,9 +54,13 @@ class HeadSource:
 
 
 @dataclass
-class MTPAttachment:
-    """What `load` hangs on `model.mtp`."""
+class MTPModel:
+    """What `load` returns: the mlx-lm model (`base`, untouched), its MTP head (None when
+    MTP is off, `disabled_reason` saying why) and the depth policies the engines of this
+    model learn and share. Calls, and attributes it does not have, go to `base`: mlx-lm's
+    own generation functions take an MTPModel as they take the model."""
 
+    base: nn.Module
     parts: TextParts
     head: Optional[MTPHead]
     source: Optional[HeadSource]
@@ -69,6 +73,15 @@ class MTPAttachment:
     @property
     def active(self) -> bool:
         return self.head is not None
+
+    def __call__(self, *args, **kwargs):
+        return self.base(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        base = self.__dict__.get("base")
+        if base is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(base, name)
 
 
 def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None) -> Path:
@@ -185,7 +198,9 @@ def check_norm_convention(parts: TextParts, head: MTPHead) -> None:
 
 def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_norm",
                required: bool = True, model_name: str = "", draft_vocab: int = 0,
-               draft_vocab_file: Optional[Path] = None) -> MTPAttachment:
+               draft_vocab_file: Optional[Path] = None) -> MTPModel:
+    """`model` with its head, as an MTPModel (a missing head raises MissingMTPHeadError when
+    `required`, else gives an MTPModel with MTP off and the reason)."""
     if hidden_state not in HIDDEN_STATES:
         raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
     parts = text_parts(model)
@@ -198,17 +213,14 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         )
         if required:
             raise MissingMTPHeadError(reason)
-        attachment = MTPAttachment(parts, None, None, {}, hidden_state, disabled_reason=reason)
+        return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=reason)
     else:
         weights, info, quantization = head_weights(source)
         head = build_head(parts, weights, info, quantization)
         check_norm_convention(parts, head)
         vocab = _draft_vocab(parts, model_dir, draft_vocab, draft_vocab_file,
                              compute_dtype=head.fc.weight.dtype if not quantization else None)
-        attachment = MTPAttachment(parts, head, source, info, hidden_state, vocab=vocab)
-    # A plain attribute, not a child module: model.parameters() stays exactly stock mlx-lm's.
-    object.__setattr__(model, "mtp", attachment)
-    return attachment
+    return MTPModel(model, parts, head, source, info, hidden_state, vocab=vocab)
 
 
 def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Path], compute_dtype) -> DraftVocab:
@@ -227,7 +239,7 @@ def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Pa
 def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
          hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False,
          draft_vocab: int = 0, draft_vocab_file=None):
-    """Load model and tokenizer with mlx-lm, then attach the MTP head as `model.mtp`.
+    """(MTPModel, tokenizer): the model and tokenizer as mlx-lm loads them, with the MTP head.
 
     mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
     unless mtp_fallback, in which case the model loads without MTP and the reason is logged.
@@ -240,19 +252,17 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     model, tokenizer = loading.load(model_dir, lazy=lazy)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
-        attachment = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,
-                                model_name=str(path_or_hf_id), draft_vocab=draft_vocab,
-                                draft_vocab_file=draft_vocab_file)
-        if not attachment.active:
-            log.warning("MTP disabled: %s", attachment.disabled_reason)
+        mtp_model = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,
+                               model_name=str(path_or_hf_id), draft_vocab=draft_vocab,
+                               draft_vocab_file=draft_vocab_file)
+        if not mtp_model.active:
+            log.warning("MTP disabled: %s", mtp_model.disabled_reason)
     else:
-        object.__setattr__(
-            model, "mtp",
-            MTPAttachment(text_parts(model), None, None, {}, hidden_state, disabled_reason="MTP not requested"),
-        )
-    if draft_vocab and not model.mtp.active:
+        mtp_model = MTPModel(model, text_parts(model), None, None, {}, hidden_state,
+                             disabled_reason="MTP not requested")
+    if draft_vocab and not mtp_model.active:
         log.warning("draft vocabulary of %d tokens ignored: MTP is off", draft_vocab)
-    return model, tokenizer
+    return mtp_model, tokenizer
 
 
 def inspect_model(path_or_hf_id: str) -> dict:

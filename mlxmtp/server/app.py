@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from ..engine.batch import BatchGenerator
 from ..mlxlm.family import text_parts
+from ..models.load import MTPModel
 from . import anthropic_api, openai_api, responses_api
 from .engine_thread import EngineBridge
 from .errors import APIError, error_response, is_anthropic_path
@@ -105,12 +106,11 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
 
 def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:
     """-> (whether the server drafts with the MTP head, why not when it does not)."""
-    att = getattr(model, "mtp", None)
-    if enable_mtp and att is not None and att.active:
+    if enable_mtp and isinstance(model, MTPModel) and model.active:
         return True, None
-    if att is None:
+    if not isinstance(model, MTPModel):
         return False, "no MTP head"
-    return False, att.disabled_reason or "disabled by the server options"
+    return False, model.disabled_reason or "disabled by the server options"
 
 
 def _served_aliases(model_id: str, aliases: Sequence[str]) -> set:
@@ -171,9 +171,8 @@ def _materialize(model) -> None:
     import mlx.core as mx
 
     arrays = [model.parameters()]
-    att = getattr(model, "mtp", None)
-    if att is not None and att.head is not None:
-        arrays.append(att.head.parameters())
+    if isinstance(model, MTPModel) and model.head is not None:
+        arrays.append(model.head.parameters())
     mx.eval(arrays)
 
 

@@ -70,13 +70,12 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     except MTPLoadError as e:
         raise click.ClickException(str(e)) from e
     name = model or "mlxmtp-demo"
-    att = m.mtp
     log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
-    if att.active:
-        log.info("MTP head: active (%s, %d layer(s)); draft depth %s", att.source.location if att.source else "?",
-                 max(1, att.info.get("num_layers", 1)), num_draft if num_draft is not None else "adaptive")
+    if m.active:
+        log.info("MTP head: active (%s, %d layer(s)); draft depth %s", m.source.location if m.source else "?",
+                 max(1, m.info.get("num_layers", 1)), num_draft if num_draft is not None else "adaptive")
     else:
-        log.info("MTP head: inactive (%s)", att.disabled_reason or "not requested")
+        log.info("MTP head: inactive (%s)", m.disabled_reason or "not requested")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
 
