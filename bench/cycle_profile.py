@@ -28,8 +28,8 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import generate
 from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
+from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
-from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS
 
 PARTS = ("draft build", "draft wait", "verify build", "verify wait", "finish", "other")
 

@@ -36,8 +36,8 @@ from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
+from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
-from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS
 
 PROMPT = '''def _parse_args(argv):
     """Parse command line arguments for the tool."""

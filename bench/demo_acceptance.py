@@ -11,8 +11,8 @@ import argparse
 import statistics
 
 from mlxmtp.engine.generate import generate
+from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
-from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS
 
 
 def main():

@@ -39,7 +39,7 @@ def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> Lis
 
 def prompt_ids(tok, n: int) -> List[int]:
     """n tokens of code."""
-    from .testing.demo_prompts import HELD_OUT_PROMPTS
+    from .models.demo_prompts import HELD_OUT_PROMPTS
 
     text = "\n\n".join(HELD_OUT_PROMPTS.values())
     ids: List[int] = []

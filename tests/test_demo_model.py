@@ -89,7 +89,7 @@ def test_greedy_mtp_equals_greedy_without_mtp(demo_model, prompt):
 def test_depth1_greedy_acceptance_on_held_out_code(demo_model):
     """Mean depth-1 acceptance over every held-out prompt (not a hand-picked one) >= 60%."""
     from mlxmtp.engine.generate import generate
-    from mlxmtp.testing.demo_prompts import HELD_OUT_PROMPTS
+    from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 
     model, tok = demo_model
     accs = {}

@@ -1,15 +1,19 @@
 """Relative costs of decode cycles of each depth, measured so that the machine's drift cancels.
 
-On a shared machine every cycle's speed jumps by up to 1.5x from one second to the next
-(another VM takes the core) while two neighbouring cycles differ by ~7%. A cost per depth
-in seconds, or in units of a smoothed machine speed, drifts with those jumps; and since
-the depth in use is measured far more often than the others, the drift ends up deciding.
+On a shared machine a cycle's speed can jump from one second to the next (another process
+takes the core) by far more than two neighbouring cycles differ. A cost per depth in
+seconds, or in units of a smoothed machine speed, drifts with those jumps; and since the
+depth in use is measured far more often than the others, the drift ends up deciding.
 So only ratios between neighbours are kept: a timed cycle of depth k right after one of
 depth j (at most `max_gap` cycles back: the engine does not time the first cycle after a
 switch between plain and drafting cycles) gives one sample of log(c_k / c_j). The samples
 of all measured pairs are reconciled into log-costs relative to one another by least
 squares (a handful of depths, solved by a few sweeps). Drafting depths that no pair
 reaches are priced by a straight line a + b*k through the ones that are.
+
+The first drafting cycle after plain decoding costs more than a steady one (the head
+catches up on the inputs of the plain stretch, and that cycle is not overlapped with the
+one before); `SwitchCosts` learns that excess, again from a ratio of neighbours.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Deque, Dict, Iterable, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, Optional, Tuple
 
 
 class CycleCosts:
@@ -97,6 +101,34 @@ class CycleCosts:
             else:
                 out[k] = _line(drafting, known.get(0), k)
         return out
+
+
+class SwitchCosts:
+    """What a switch from plain decoding to drafting costs beyond the cycles themselves, in
+    plain cycles, per batch-size bucket."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.samples: Dict[int, Deque[float]] = {}
+        self._pending: Optional[Tuple[int, int, float]] = None  # (depth, bucket, seconds) of a switch cycle
+
+    def update(self, k: int, bucket: int, seconds: Optional[float], switch_seconds: Optional[float],
+               table: Callable[[int], CycleCosts]) -> None:
+        """One cycle of depth k (timed: `seconds`; the first after a switch: `switch_seconds`
+        instead); `table`: the cycle costs of a bucket."""
+        switch, self._pending = self._pending, (k, bucket, switch_seconds) if switch_seconds else None
+        if switch is not None and seconds and switch[:2] == (k, bucket):
+            # The switch cycle against the steady cycle of its depth right after it: the
+            # excess, in plain cycles, is what the head's catch-up and the lost overlap cost.
+            c = table(bucket).costs([0, k])
+            if c[0] and c[k]:
+                excess = max(0.0, switch[2] / seconds - 1.0) * c[k] / c[0]
+                self.samples.setdefault(bucket, deque(maxlen=self.window)).append(excess)
+
+    def cost(self, bucket: int) -> float:
+        """The typical excess of a switch at this bucket (0 until one was measured)."""
+        samples = self.samples.get(bucket)
+        return statistics.median(samples) if samples else 0.0
 
 
 def _line(points, c0: Optional[float], k: int) -> float:

@@ -343,34 +343,49 @@ def make_config(
     if family not in FAMILY_NAMES:
         raise ValueError(f"unknown family {family!r}, expected one of {FAMILY_NAMES}")
     s = {**DEFAULT_SIZES, **overrides}
-    # Qwen: bos is <|endoftext|> (never prepended), eos is <|im_end|>.
-    bos, eos = token_id(PAD_TOKEN), token_id(EOS_TOKEN)
+    common = _common_fields(s, tie_word_embeddings)
+    if family == "qwen3_next":
+        cfg = _qwen3_next_config(s, common, dtype)
+    else:
+        cfg = _qwen3_5_config(family, s, common, dtype, tie_word_embeddings)
+    # Fields of the DEFAULT_SIZES kind were applied above; anything else given
+    # (num_nextn_predict_layers, mtp_num_hidden_layers, norm_topk_prob, ...)
+    # lands verbatim in the model's field set.
+    target = cfg if family == "qwen3_next" else cfg["text_config"]
+    for k, v in overrides.items():
+        if k not in DEFAULT_SIZES or k in target:
+            target[k] = v
+    cfg["transformers_version"] = "4.57.0"
+    return cfg
 
-    common = dict(
-        hidden_size=s["hidden_size"],
-        num_hidden_layers=s["num_hidden_layers"],
-        num_attention_heads=s["num_attention_heads"],
-        num_key_value_heads=s["num_key_value_heads"],
-        head_dim=s["head_dim"],
-        linear_num_key_heads=s["linear_num_key_heads"],
-        linear_num_value_heads=s["linear_num_value_heads"],
-        linear_key_head_dim=s["linear_key_head_dim"],
-        linear_value_head_dim=s["linear_value_head_dim"],
-        linear_conv_kernel_dim=s["linear_conv_kernel_dim"],
-        full_attention_interval=s["full_attention_interval"],
-        rms_norm_eps=s["rms_norm_eps"],
-        vocab_size=s["vocab_size"],
-        max_position_embeddings=s["max_position_embeddings"],
+
+# The DEFAULT_SIZES fields every family carries among its model fields, in config order.
+_COMMON_SIZES = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "full_attention_interval", "rms_norm_eps", "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _common_fields(s: Dict[str, Any], tie_word_embeddings: bool) -> Dict[str, Any]:
+    """The model fields shared by every family, from the sizes ``s``."""
+    # Qwen: bos is <|endoftext|> (never prepended), eos is <|im_end|>.
+    return dict(
+        **{k: s[k] for k in _COMMON_SIZES},
         attention_bias=False,
         attention_dropout=0.0,
         hidden_act="silu",
         initializer_range=0.02,
         tie_word_embeddings=tie_word_embeddings,
         use_cache=True,
-        bos_token_id=bos,
-        eos_token_id=eos,
+        bos_token_id=token_id(PAD_TOKEN),
+        eos_token_id=token_id(EOS_TOKEN),
     )
-    moe = dict(
+
+
+def _moe_fields(s: Dict[str, Any]) -> Dict[str, Any]:
+    return dict(
         num_experts=s["num_experts"],
         num_experts_per_tok=s["num_experts_per_tok"],
         moe_intermediate_size=s["moe_intermediate_size"],
@@ -381,76 +396,82 @@ def make_config(
         router_aux_loss_coef=0.001,
     )
 
-    if family == "qwen3_next":
-        cfg = dict(
-            architectures=["Qwen3NextForCausalLM"],
-            model_type="qwen3_next",
-            **common,
-            **moe,
-            intermediate_size=s["intermediate_size"],
-            mlp_only_layers=[],
-            partial_rotary_factor=s["partial_rotary_factor"],
-            rope_theta=s["rope_theta"],
-            rope_scaling=None,
-            use_sliding_window=False,
-            torch_dtype=dtype,
-        )
-    else:
-        text = dict(
-            model_type=f"{family}_text",
-            **common,
-            layer_types=_layer_types(s["num_hidden_layers"], s["full_attention_interval"]),
-            mtp_num_hidden_layers=1,
-            mtp_use_dedicated_embeddings=False,
-            attn_output_gate=True,
-            mamba_ssm_dtype="float32",
-            rope_parameters=dict(
-                rope_type="default",
-                rope_theta=s["rope_theta"],
-                partial_rotary_factor=s["partial_rotary_factor"],
-                mrope_section=_mrope_section(s["head_dim"], s["partial_rotary_factor"]),
-                mrope_interleaved=True,
-            ),
-            dtype=dtype,
-        )
-        if family == "qwen3_5":
-            text["intermediate_size"] = s["intermediate_size"]
-            arch = "Qwen3_5ForConditionalGeneration"
-        else:
-            text.update(moe)
-            arch = "Qwen3_5MoeForConditionalGeneration"
-        cfg = dict(
-            architectures=[arch],
-            model_type=family,
-            text_config=text,
-            # A stub: mlx-lm drops the vision tower, but real configs carry one.
-            vision_config=dict(
-                model_type=family,
-                depth=1,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                in_channels=3,
-                patch_size=2,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                out_hidden_size=s["hidden_size"],
-                num_position_embeddings=16,
-            ),
-            tie_word_embeddings=tie_word_embeddings,
-            image_token_id=token_id(PAD_TOKEN),
-            video_token_id=token_id(PAD_TOKEN),
-        )
 
-    # Fields of the DEFAULT_SIZES kind were applied above; anything else given
-    # (num_nextn_predict_layers, mtp_num_hidden_layers, norm_topk_prob, ...)
-    # lands verbatim in the model's field set.
-    target = cfg if family == "qwen3_next" else cfg["text_config"]
-    for k, v in overrides.items():
-        if k not in DEFAULT_SIZES or k in target:
-            target[k] = v
-    cfg["transformers_version"] = "4.57.0"
-    return cfg
+def _qwen3_next_config(s: Dict[str, Any], common: Dict[str, Any], dtype: str) -> Dict[str, Any]:
+    """A flat Qwen3-Next config: MoE in every layer, rope fields at the top level."""
+    return dict(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        **common,
+        **_moe_fields(s),
+        intermediate_size=s["intermediate_size"],
+        mlp_only_layers=[],
+        partial_rotary_factor=s["partial_rotary_factor"],
+        rope_theta=s["rope_theta"],
+        rope_scaling=None,
+        use_sliding_window=False,
+        torch_dtype=dtype,
+    )
+
+
+def _qwen3_5_config(
+    family: str, s: Dict[str, Any], common: Dict[str, Any], dtype: str, tie_word_embeddings: bool
+) -> Dict[str, Any]:
+    """A nested Qwen3.5 config (dense or MoE): model fields in ``text_config``, next to
+    a vision-tower stub."""
+    text = _qwen3_5_text_config(family, s, common, dtype)
+    if family == "qwen3_5":
+        text["intermediate_size"] = s["intermediate_size"]
+        arch = "Qwen3_5ForConditionalGeneration"
+    else:
+        text.update(_moe_fields(s))
+        arch = "Qwen3_5MoeForConditionalGeneration"
+    return dict(
+        architectures=[arch],
+        model_type=family,
+        text_config=text,
+        vision_config=_vision_stub_config(family, s["hidden_size"]),
+        tie_word_embeddings=tie_word_embeddings,
+        image_token_id=token_id(PAD_TOKEN),
+        video_token_id=token_id(PAD_TOKEN),
+    )
+
+
+def _qwen3_5_text_config(family: str, s: Dict[str, Any], common: Dict[str, Any], dtype: str) -> Dict[str, Any]:
+    return dict(
+        model_type=f"{family}_text",
+        **common,
+        layer_types=_layer_types(s["num_hidden_layers"], s["full_attention_interval"]),
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        attn_output_gate=True,
+        mamba_ssm_dtype="float32",
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=s["rope_theta"],
+            partial_rotary_factor=s["partial_rotary_factor"],
+            mrope_section=_mrope_section(s["head_dim"], s["partial_rotary_factor"]),
+            mrope_interleaved=True,
+        ),
+        dtype=dtype,
+    )
+
+
+def _vision_stub_config(family: str, hidden_size: int) -> Dict[str, Any]:
+    # A stub: mlx-lm drops the vision tower, but real configs carry one.
+    return dict(
+        model_type=family,
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden_size,
+        num_position_embeddings=16,
+    )
 
 
 def text_config(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -580,16 +601,33 @@ def make_weights(
     """All HF tensors (float32 numpy) of a tiny checkpoint, in HF names."""
     s = text_config(config)
     init = _Init(seed)
-    H, V = s["hidden_size"], s["vocab_size"]
     is_moe = family in ("qwen3_next", "qwen3_5_moe")
-    # Main-model experts: per-expert tensors in Qwen3-Next, fused in Qwen3.5
-    # MoE. The MTP experts are per-expert unless asked otherwise (Qwen3.6).
-    main_layout = "per_expert" if family == "qwen3_next" else "fused"
     if not is_moe and expert_layout is not None:
         raise ValueError("expert_layout needs an MoE family")
+    # Main-model experts: per-expert tensors in Qwen3-Next, fused in Qwen3.5
+    # MoE. The MTP experts are per-expert unless asked otherwise (Qwen3.6).
+    main_layout = ("per_expert" if family == "qwen3_next" else "fused") if is_moe else None
     mtp_layout = (expert_layout or "per_expert") if is_moe else None
-
     m = "model" if family == "qwen3_next" else "model.language_model"
+    w = _backbone_weights(init, m, s, family, main_layout)
+    if family != "qwen3_next":
+        # A couple of vision-tower tensors; mlx-lm drops everything model.visual.*.
+        w["model.visual.patch_embed.proj.weight"] = init.normal((32, 3, 2, 2, 2), 0.1)
+        w["model.visual.merger.linear_fc2.weight"] = init.linear(s["hidden_size"], 32)
+    # The MTP head is drawn after the main model so with_mtp=False gives the
+    # same main weights.
+    mtp = _mtp_weights(init, s, num_mtp_layers(config), mtp_layout)
+    if with_mtp:
+        w.update(mtp)
+    return w
+
+
+def _backbone_weights(
+    init: _Init, m: str, s: Dict[str, Any], family: str, moe_layout: Optional[str]
+) -> Dict[str, np.ndarray]:
+    """Embeddings, decoder layers, final norm and output head under prefix ``m``;
+    ``moe_layout`` None for a dense MLP."""
+    H, V = s["hidden_size"], s["vocab_size"]
     w: Dict[str, np.ndarray] = {}
     # Untied: unit-scale embeddings like real checkpoints' residual streams.
     # Tied: the embedding is also the output head, so shrink it to keep the
@@ -604,10 +642,7 @@ def make_weights(
             w.update(_attention(init, f"{p}.self_attn", s))
         else:
             w.update(_gated_deltanet(init, f"{p}.linear_attn", s, family))
-        if is_moe:
-            w.update(_moe(init, f"{p}.mlp", s, main_layout))
-        else:
-            w.update(_dense_mlp(init, f"{p}.mlp", H, s["intermediate_size"]))
+        w.update(_mlp(init, f"{p}.mlp", s, moe_layout))
     w[f"{m}.norm.weight"] = init.zc_norm(H)
     # Drawn even when tied so the other tensors do not depend on tying.
     lm_head = init.linear(V, H, gain=2.0)
@@ -621,32 +656,32 @@ def make_weights(
         w[f"{m}.embed_tokens.weight"][first_added:] *= 0.01
     else:
         w["lm_head.weight"] = lm_head
+    return w
 
-    if family != "qwen3_next":
-        # A couple of vision-tower tensors; mlx-lm drops everything model.visual.*.
-        w["model.visual.patch_embed.proj.weight"] = init.normal((32, 3, 2, 2, 2), 0.1)
-        w["model.visual.merger.linear_fc2.weight"] = init.linear(H, 32)
 
-    # The MTP head is drawn after the main model so with_mtp=False gives the
-    # same main weights.
+def _mtp_weights(init: _Init, s: Dict[str, Any], n_layers: int, moe_layout: Optional[str]) -> Dict[str, np.ndarray]:
+    """The ``mtp.*`` head: input projection and norms, ``n_layers`` full-attention
+    layers, final norm; ``moe_layout`` None for a dense MLP."""
+    H = s["hidden_size"]
     mtp: Dict[str, np.ndarray] = {
         "mtp.fc.weight": init.linear(H, 2 * H),
         "mtp.pre_fc_norm_embedding.weight": init.zc_norm(H),
         "mtp.pre_fc_norm_hidden.weight": init.zc_norm(H),
     }
-    for j in range(num_mtp_layers(config)):
+    for j in range(n_layers):
         p = f"mtp.layers.{j}"
         mtp[f"{p}.input_layernorm.weight"] = init.zc_norm(H)
         mtp[f"{p}.post_attention_layernorm.weight"] = init.zc_norm(H)
         mtp.update(_attention(init, f"{p}.self_attn", s))
-        if mtp_layout is None:
-            mtp.update(_dense_mlp(init, f"{p}.mlp", H, s["intermediate_size"]))
-        else:
-            mtp.update(_moe(init, f"{p}.mlp", s, mtp_layout))
+        mtp.update(_mlp(init, f"{p}.mlp", s, moe_layout))
     mtp["mtp.norm.weight"] = init.zc_norm(H)
-    if with_mtp:
-        w.update(mtp)
-    return w
+    return mtp
+
+
+def _mlp(init: _Init, p: str, s: Dict[str, Any], moe_layout: Optional[str]) -> Dict[str, np.ndarray]:
+    if moe_layout is None:
+        return _dense_mlp(init, p, s["hidden_size"], s["intermediate_size"])
+    return _moe(init, p, s, moe_layout)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""How likely each draft is to be kept, learnt from the cycles the engine reports.
+
+Acceptance is counted per class of request (greedy, sampled), per depth and per
+position, and estimated in three levels, each shrunk towards the one above it: all counts
+(position 1 towards a prior, each deeper position towards the one before it), the
+class's, and the class's at one depth.
+
+The class matters because the same head on the same text keeps far fewer deep drafts
+under argmax agreement (greedy) than under rejection sampling. The depth matters because
+acceptance is not independent from one position to the next (hard tokens come in runs
+and patterns) and each depth starts its cycles at other positions (after what the cycle
+before kept): on one text the first draft can be kept far more often at k = 2 than at
+k = 1. On varied text the depth level mostly adds noise, which its shrinkage keeps small.
+
+Counts decay slowly, so a change of content (prose after code) is followed too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Dict, Hashable, List, Sequence, Tuple
+
+
+class Acceptance:
+    def __init__(self, max_depth: int, prior_accept: float, prior_weight: float,
+                 depth_weight: float, decay: float):
+        self.max_depth = max_depth
+        self.prior_accept = prior_accept  # acceptance assumed before any draft was tried
+        self.prior_weight = prior_weight  # pseudo-counts of that prior
+        self.depth_weight = depth_weight  # pseudo-counts shrinking a depth's level to its class's
+        self.decay = decay  # per-update forgetting of every count
+        # Per (class, depth) and position (index 0 unused): drafts kept / drafts tried.
+        self.kept: Dict[Tuple[Hashable, int], List[float]] = {}
+        self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
+        self._memo: Dict[Hashable, List[float]] = {}
+
+    def estimate(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
+        """Estimated acceptance of positions 1..k in cycles of depth k for rows of class
+        `cls`; `optimistic` adds one standard error (what a position could still turn out
+        to be, given how little it has been tried)."""
+        in_cls = self._class_level(cls)
+        kept, tried = self._counts((cls, k))
+        out = []
+        for i in range(1, k + 1):
+            n = tried[i] + self.depth_weight
+            a = (kept[i] + in_cls[i] * self.depth_weight) / n
+            out.append(min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a)
+        return out
+
+    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> List[float]:
+        """E(k) per row for k = 0..max_depth, averaged over the rows' classes: one token
+        plus, per position, the chance that it and every draft before it are kept."""
+        total = [0.0] * (self.max_depth + 1)
+        for cls, n in Counter(classes).items():
+            total[0] += n
+            for k in range(1, self.max_depth + 1):
+                run, e = 1.0, 1.0
+                for a in self.estimate(cls, k, optimistic):
+                    run *= a
+                    e += run
+                total[k] += n * e
+        return [t / len(classes) for t in total]
+
+    def record(self, k: int, kept_per_row: List[int], classes: Sequence[Hashable]) -> None:
+        """One steady cycle of depth k > 0: the drafts each row (of the class at the same
+        index) kept."""
+        self._memo.clear()
+        # Every position forgets at the same pace, drafted this cycle or not: what was
+        # learnt of a depth long unused grows uncertain again (and is re-explored when
+        # that could pay), instead of a few early samples deciding for good.
+        for counts in (*self.kept.values(), *self.tried.values()):
+            for i in range(1, self.max_depth + 1):
+                counts[i] *= self.decay
+        for kept, cls in zip(kept_per_row, classes):
+            kept_c, tried_c = self._counts((cls, k))
+            for i in range(1, k + 1):
+                if kept >= i - 1:  # position i was reached
+                    tried_c[i] += 1
+                    if kept >= i:
+                        kept_c[i] += 1
+
+    def _counts(self, key):
+        if key not in self.kept:
+            self.kept[key], self.tried[key] = [0.0] * (self.max_depth + 1), [0.0] * (self.max_depth + 1)
+        return self.kept[key], self.tried[key]
+
+    def _sums(self, keys) -> Tuple[List[float], List[float]]:
+        return ([sum(self.kept[key][i] for key in keys) for i in range(self.max_depth + 1)],
+                [sum(self.tried[key][i] for key in keys) for i in range(self.max_depth + 1)])
+
+    def _class_level(self, cls: Hashable) -> List[float]:
+        # The two upper levels of estimate(), per position (index 0 unused); kept until
+        # the next record(), as the policy asks for every depth twice per cycle.
+        if cls not in self._memo:
+            all_kept, all_tried = self._sums(list(self.kept))
+            cls_kept, cls_tried = self._sums([key for key in self.kept if key[0] == cls])
+            out, prior, w = [0.0], self.prior_accept, self.prior_weight
+            for i in range(1, self.max_depth + 1):
+                prior = (all_kept[i] + prior * w) / (all_tried[i] + w)
+                out.append((cls_kept[i] + prior * w) / (cls_tried[i] + w))
+            self._memo[cls] = out
+        return self._memo[cls]

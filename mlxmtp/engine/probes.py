@@ -1,0 +1,69 @@
+"""Probe planning for the depth policy: which other depth to measure, in which cycles, and
+how often.
+
+The regime (the depth used outside probes) is chosen by the mean estimates; now and then
+another depth is run for a few cycles to re-measure its cost and acceptance, so that a
+change in either (or an unlucky measurement) is noticed. Probes go to what could still be
+better (optimistic acceptance, one standard error up: a bandit's upper confidence bound):
+a depth whose deeper positions were tried a few times, in a bad stretch, would otherwise
+be written off for good, as only its own cycles measure them. Probes are spaced so that
+they cost at most a set share of the throughput by the mean estimates: close calls are
+probed often, clearly worse depths rarely.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+
+def plan(k: int, regime: int, burst: int) -> List[int]:
+    """The depths of a probe's cycles at depth k, the first included.
+
+    A probe measures the cost ratio of its depth to a measured partner's and its
+    acceptance in steady state. Ratios come from neighbouring cycles (see cycle_costs), so
+    between drafting depths (no switch of mode) its cycles come in pairs around one of the
+    partner: the regime, or k = 1 while the regime is plain decoding (a depth first tried
+    from there would otherwise stay unmeasured for good). Acceptance is counted only in a
+    cycle that follows one of the same depth: a depth drafts from other positions than
+    the one before it did, and on text where easy and hard tokens follow a pattern the
+    first cycle says little."""
+    partner = regime if k > 0 and regime > 0 else (1 if k > 1 else None)
+    return [k] * burst if partner is None else [k, k, partner, k, k]
+
+
+def fits(depths: List[int], limit: Optional[int]) -> bool:
+    """Whether a probe of these cycles can run them all before the batch runs out of
+    tokens (`limit` + 1 left to the row with the most room): a probe cut short pays its
+    switch and its untimed first cycle and measures nothing (the next request runs it)."""
+    return limit is None or sum(d + 1 for d in depths) <= limit + 1
+
+
+def target(others: List[int], best: int, mean: Dict[int, float], bound: Dict[int, float],
+           measured_at: Dict[int, int]) -> int:
+    """The depth to probe: the least recently measured of those that could beat the
+    regime `best` (else of those within 25% of it, else the most promising one)."""
+    near = ([k for k in others if bound[k] > mean[best]] or [k for k in others if bound[k] > 0.75 * mean[best]]
+            or [max(others, key=bound.get)])
+    return min(near, key=lambda k: measured_at.get(k, -1))
+
+
+def forgone(cycles: int, alt: int, best: int, costs: Dict[int, float], mean: Dict[int, float]) -> float:
+    """Tokens that `cycles` cycles at depth `alt` forgo, relative to what the regime `best`
+    makes in one cycle."""
+    return cycles * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
+
+
+def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float) -> bool:
+    """Whether even drafts that are always kept would not beat plain decoding at any of
+    the `measured` drafting depths (k+1 tokens for a verify costing about k+1 steps, as
+    on a backend whose verify grows linearly in its tokens). Acceptance then has nothing
+    to teach; only a change of the costs could, and those belong to the model and the
+    machine. Only depths measured a few times count: a line through two noisy costs,
+    taken out to a deep k, could otherwise let probes through."""
+    return bool(measured) and all((k + 1) / costs[k] <= plain_rate for k in measured)
+
+
+def spacing(loss: float, explore: float, least: int, most: int) -> int:
+    """Cycles between probes that forgo `loss` (see forgone()) each, so that they cost an
+    `explore` share of the throughput, within [least, most]."""
+    return int(min(most, max(least, loss / explore)))
