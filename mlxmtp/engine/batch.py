@@ -69,7 +69,7 @@ class BatchGenerator:
         # Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by
         # default: each cycle then builds the Gated DeltaNet replay a rollback may need whether
         # or not it is needed (one fused kernel on Metal, step-by-step ops elsewhere), which
-        # cost more than the overlap saved on the GPU measured (see BENCHMARKS.md).
+        # can cost more than the overlap saves (BENCHMARKS.md).
         self.pipeline_drafts = pipeline_drafts and not profile
         self.shape_stable = self.shape_stable or self.pipeline_drafts
         self.prefix_cache = PrefixCache(prefix_cache_bytes)

@@ -31,7 +31,7 @@ from .limits import MAX_DRAFT_DEPTH
               help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--pipeline-drafts", is_flag=True,
-              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches; slower than the default on the GPU measured, see BENCHMARKS.md).")
+              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,

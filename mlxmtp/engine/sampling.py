@@ -70,12 +70,11 @@ class SamplingParams:
         )
 
 
-# Temperature alone (no filter), the usual case, as single compiled graphs: one step of
-# the tiny demo model is ~20 ms, and the same draw built from separate operations (two
-# log-softmaxes, then the draw) made plain decoding at temperature 0.6 ~8% slower than
-# with these (demo, 10 interleaved requests of 200 tokens: 0.94x of mlx-lm, whose
-# sampler is compiled too, against 1.00x). The log-softmax of the log-softmax over T is
-# the log-softmax of logits / T; a Gumbel draw does not depend on the normalisation.
+# Temperature alone (no filter), the usual case, as single compiled graphs, as mlx-lm
+# compiles its own sampler: built from separate operations (two log-softmaxes, then the
+# draw) the same draw costs several more kernels per token, which shows on a small model.
+# The log-softmax of the log-softmax over T is the log-softmax of logits / T; a Gumbel
+# draw does not depend on the normalisation.
 @mx.compile
 def _tempered_logprobs(logits: mx.array, inv_temp: mx.array) -> mx.array:
     lp = logits * inv_temp

@@ -36,7 +36,7 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest request body in MiB; bigger ones get 413.")
 @click.option("--pipeline-drafts", is_flag=True,
-              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches; slower than the default on the GPU measured, see BENCHMARKS.md).")
+              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
