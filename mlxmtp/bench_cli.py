@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import click
 
 from .engine.limits import MAX_DRAFT_DEPTH
+from .models.demo_prompts import HELD_OUT_PROMPTS
 
 
 def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> List[int]:
@@ -39,8 +40,6 @@ def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> Lis
 
 def prompt_ids(tok, n: int) -> List[int]:
     """n tokens of code."""
-    from .models.demo_prompts import HELD_OUT_PROMPTS
-
     text = "\n\n".join(HELD_OUT_PROMPTS.values())
     ids: List[int] = []
     while len(ids) < n:
@@ -72,6 +71,7 @@ def run_mlx_lm(model, tok, ids: List[int], gen: int, temp: float) -> dict:
 
 def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict:
     """depth: 0 (MTP off), "adaptive" or a fixed draft depth."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .engine.batch import BatchGenerator
     from .engine.generate import stream_generate
     from .engine.sampling import SamplingParams
@@ -94,6 +94,7 @@ def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict
 
 
 def _one(model, tok, ids, gen, temp, setting) -> dict:
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     import mlx.core as mx
 
     mx.reset_peak_memory()
@@ -153,9 +154,10 @@ def _table(result: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the progress bar goes to stderr).")
 def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_mlx_lm, as_json):
     """Decode speed: MTP off vs adaptive vs fixed depths vs mlx-lm, per prompt length."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from tqdm import tqdm
 
-    from .models.load import load
+    from .models.load import load  # (as above)
 
     lengths = _int_list(prompt_tokens, "--prompt-tokens", 1)
     fixed = _int_list(depths, "--depths", 1, MAX_DRAFT_DEPTH)

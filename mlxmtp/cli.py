@@ -17,6 +17,7 @@ def main():
 
 
 def _register():
+    # On use: each subcommand's module is imported only when the CLI runs.
     from .bench_cli import bench
     from .convert.cli import add_mtp_weights
     from .convert.draft_vocab_cli import draft_vocab

@@ -51,6 +51,10 @@ def test_the_walker_resolves_relative_imports():
     assert "mlxmtp.checkpoint.hf_head" in found and "mlxmtp.mlxlm.family" in found
 
 
+def _product_modules():
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.parent.name != "testing"]
+
+
 @pytest.mark.parametrize("path", _modules("models"), ids=lambda p: p.name)
 def test_models_never_import_convert(path):
     bad = [(n, line) for n, line, _ in _imports(path) if _reaches(n, "mlxmtp.convert")]
@@ -70,7 +74,7 @@ def test_demo_locator_does_not_import_test_support():
     assert not bad
 
 
-@pytest.mark.parametrize("path", _modules("models") + _modules("convert") + _modules("checkpoint"),
+@pytest.mark.parametrize("path", _product_modules(),
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_imports_in_function_bodies_say_why(path):
     """An import inside a function (kept for CLI start-up or a heavy dependency) has a
@@ -86,10 +90,6 @@ def test_imports_in_function_bodies_say_why(path):
         if "#" not in lines[line - 1] and not lines[i - 1].strip().startswith("#"):
             unexplained.append(line)
     assert not unexplained, f"{path.name}: imports inside functions without a reason, lines {sorted(set(unexplained))}"
-
-
-def _product_modules():
-    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.parent.name != "testing"]
 
 
 @pytest.mark.parametrize("path", _product_modules(), ids=lambda p: f"{p.parent.name}/{p.name}")

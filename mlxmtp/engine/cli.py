@@ -38,6 +38,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
              pipeline_drafts=False):
     """Generate a completion for PROMPT."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..models.load import MTPLoadError, load
     from .generate import generate as run
     from .sampling import SamplingParams

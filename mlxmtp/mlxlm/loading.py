@@ -12,6 +12,7 @@ from typing import Optional
 
 def load(model_dir: Path, lazy: bool = False):
     """(model, tokenizer) of a local MLX or HF folder, as `mlx_lm.load` makes them."""
+    # mlx-lm on use (see the module docstring)
     import mlx_lm
 
     return mlx_lm.load(str(model_dir), lazy=lazy)
@@ -19,6 +20,7 @@ def load(model_dir: Path, lazy: bool = False):
 
 def load_model(model_dir: Path, lazy: bool = True):
     """(model, config) without the tokenizer."""
+    # mlx-lm on use (see the module docstring)
     from mlx_lm.utils import load_model as _load_model
 
     return _load_model(Path(model_dir), lazy=lazy)
@@ -26,12 +28,14 @@ def load_model(model_dir: Path, lazy: bool = True):
 
 def load_config(model_dir: Path) -> dict:
     """config.json with generation_config's eos_token_id merged in, as `mlx_lm.load` does."""
+    # mlx-lm on use (see the module docstring)
     from mlx_lm.utils import load_config as _load_config
 
     return _load_config(Path(model_dir))
 
 
 def load_tokenizer(model_dir: Path, eos_token_ids: Optional[list] = None):
+    # mlx-lm on use (see the module docstring)
     from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
     return _load_tokenizer(Path(model_dir), eos_token_ids=eos_token_ids)

@@ -19,6 +19,7 @@ __all__ = ["apply_min_p", "apply_top_k", "apply_top_p", "make_logits_processors"
 
 def reference_tokens(model, tokenizer, prompt: List[int], max_tokens: int, temp: float) -> Iterator[int]:
     """mlx-lm's `stream_generate` at temperature `temp`: yields each token id it makes."""
+    # mlx-lm's generation module on use: only the benchmarks run it.
     import mlx_lm
 
     for resp in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
@@ -168,8 +169,6 @@ _EXCEPTION_HANDLERS = {APIError: _api_error, HTTPException: _http_error, Excepti
 def _materialize(model) -> None:
     """Evaluate every weight here, so no lazy graph recorded on this thread's MLX stream
     reaches the engine thread (streams are per thread)."""
-    import mlx.core as mx
-
     arrays = [model.parameters()]
     if isinstance(model, MTPModel) and model.head is not None:
         arrays.append(model.head.parameters())

@@ -58,6 +58,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
     _check_api_key(api_key)  # before the (slow) model load
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..models.load import MTPLoadError, load
 
     logging.getLogger("mlxmtp").setLevel(log_level.upper())
@@ -79,6 +80,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
 
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
@@ -86,6 +88,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name)
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .shutdown import run_server
 
     log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
