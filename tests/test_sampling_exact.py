@@ -169,3 +169,23 @@ def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model):
     mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=n, params=params, seed0=n)
     for stat, dof in _chi2_by_position(plain, mtp):
         assert stat < chi2_quantile(dof), (stat, dof)
+
+
+def test_vectorised_accept_equals_each_row_alone():
+    """accept_sampled_rows decides S rows at once exactly as accept_sampled does each row
+    with its own key (a row's random numbers come from its key alone)."""
+    from mlxmtp.engine.rejection_sampler import accept_sampled_rows, row_noise
+
+    S, k, V = 6, 3, 40
+    p = mx.random.normal((S, k + 1, V), key=mx.random.key(1)) * 2
+    p = p - mx.logsumexp(p, axis=-1, keepdims=True)
+    q = p[:, :k] + 0.7 * mx.random.normal((S, k, V), key=mx.random.key(2))
+    q = q - mx.logsumexp(q, axis=-1, keepdims=True)
+    drafts = mx.random.categorical(q, key=mx.random.key(3))
+    keys = [mx.random.key(10 + s) for s in range(S)]
+    noise = [row_noise(key, k, V) for key in keys]
+    kept, tokens = accept_sampled_rows(p, q, drafts, mx.stack([n[0] for n in noise]), mx.stack([n[1] for n in noise]))
+    for s in range(S):
+        kept_s, tokens_s = accept_sampled(p[s], q[s], drafts[s], keys[s])
+        assert kept[s].item() == kept_s.item() and tokens[s].tolist() == tokens_s.tolist()
+    assert len(set(kept.tolist())) > 1  # rows kept different numbers of drafts

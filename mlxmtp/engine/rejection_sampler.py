@@ -43,30 +43,50 @@ def accept_sampled(
     `rule="argmax"` is the deliberately wrong rule some engines use (keep a draft iff it
     is the target's argmax); it exists only so the tests can show they catch it.
     """
-    k = drafts.shape[0]
+    u, g = row_noise(key, drafts.shape[0], p_logprobs.shape[-1])
+    kept, tokens = accept_sampled_rows(p_logprobs[None], q_logprobs[None], drafts[None], u[None], g[None], rule)
+    return kept[0], tokens[0]
+
+
+def row_noise(key: Optional[mx.array], k: int, vocab: int) -> Tuple[mx.array, mx.array]:
+    """One row's random numbers for `accept_sampled_rows`, from its own key: k uniforms
+    (accept or reject each draft) and V Gumbels (the draw after them: categorical(x, key)
+    is argmax(x + gumbel(key)), so a row draws the same token alone or in a batch)."""
     k_accept, k_resid = mx.random.split(key) if key is not None else (None, None)
-    idx = mx.arange(k)
-    lp = p_logprobs[idx, drafts]
-    lq = q_logprobs[idx, drafts]
+    return mx.random.uniform(shape=(k,), key=k_accept), mx.random.gumbel(shape=(vocab,), key=k_resid)
+
+
+def accept_sampled_rows(
+    p_logprobs: mx.array,
+    q_logprobs: mx.array,
+    drafts: mx.array,
+    uniforms: mx.array,
+    gumbels: mx.array,
+    rule: str = "exact",
+) -> Tuple[mx.array, mx.array]:
+    """S sampled rows at once. p_logprobs [S, k+1, V], q_logprobs [S, k, V], drafts [S, k],
+    uniforms [S, k], gumbels [S, V] (row_noise) -> (kept [S], tokens [S, k+1])."""
+    S, k = drafts.shape
+    rows = mx.arange(S)[:, None]
+    idx = mx.arange(k)[None, :]
     if rule == "exact":
-        u = mx.random.uniform(shape=(k,), key=k_accept)
-        accept = mx.log(u) < (lp - lq)
+        accept = mx.log(uniforms) < (p_logprobs[rows, idx, drafts] - q_logprobs[rows, idx, drafts])
     elif rule == "argmax":
-        accept = mx.argmax(p_logprobs[:k], axis=-1) == drafts
+        accept = mx.argmax(p_logprobs[:, :k], axis=-1) == drafts
     else:
         raise ValueError(rule)
-    kept = mx.cumprod(accept.astype(mx.int32)).sum()
+    kept = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
     # The token after the kept drafts: residual distribution at a rejection, p for the bonus.
-    p_m = mx.exp(mx.take(p_logprobs, kept, axis=0))
-    q_ext = mx.concatenate([mx.exp(q_logprobs), mx.zeros((1, q_logprobs.shape[-1]), q_logprobs.dtype)])
-    q_m = mx.take(q_ext, kept, axis=0)
+    p_m = mx.exp(mx.take_along_axis(p_logprobs, kept[:, None, None], axis=1)[:, 0])
+    q_ext = mx.concatenate([mx.exp(q_logprobs), mx.zeros((S, 1, q_logprobs.shape[-1]), q_logprobs.dtype)], axis=1)
+    q_m = mx.take_along_axis(q_ext, kept[:, None, None], axis=1)[:, 0]
     resid = mx.maximum(p_m - q_m, 0.0)
     # p == q makes the residual empty; then any draw from p is exact (it cannot be reached
     # with positive probability anyway, this only guards against 0/0).
-    resid = mx.where(resid.sum() > 0, resid, p_m)
-    nxt = mx.random.categorical(mx.log(resid), key=k_resid)
-    tokens = mx.concatenate([drafts, mx.zeros((1,), drafts.dtype)])
-    tokens = mx.where(mx.arange(k + 1) == kept, nxt.astype(tokens.dtype), tokens)
+    resid = mx.where(resid.sum(axis=-1, keepdims=True) > 0, resid, p_m)
+    nxt = mx.argmax(mx.log(resid) + gumbels, axis=-1)
+    tokens = mx.concatenate([drafts, mx.zeros((S, 1), drafts.dtype)], axis=1)
+    tokens = mx.where(mx.arange(k + 1)[None, :] == kept[:, None], nxt[:, None].astype(tokens.dtype), tokens)
     return kept, tokens
 
 

@@ -3,11 +3,13 @@ mixes greedy and sampled rows; and the per-row sampling that drafts and first to
 
 The verify forward gives the target's logits at every drafted position of every row
 ([B, k+1, V]). A batch of greedy rows without logits processors is decided by one
-batched argmax (rejection_sampler.accept_greedy). Otherwise each row is decided on its
-own: its processors see its own context, and a sampled row keeps drafts by rejection
-sampling against the distribution q its drafts were drawn from (the `draft_picker`
-below draws them from the same processed distribution the verifier's p comes from).
-Everything stays lazy; the cycle evaluates it with the verify forward.
+batched argmax (rejection_sampler.accept_greedy). Otherwise each row first runs its own
+code (its processors see its own context; a sampled row makes its p and draws its random
+numbers from its own key), then one vectorised step decides every row: greedy rows by
+argmax, sampled rows by rejection sampling against the distribution q their drafts were
+drawn from (the `draft_picker` below draws them from the same processed distribution the
+verifier's p comes from). Everything stays lazy; the cycle evaluates it with the verify
+forward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from .failures import blame
-from .rejection_sampler import accept_greedy, accept_sampled, sample
+from .rejection_sampler import accept_greedy, accept_sampled_rows, row_noise, sample
 from .sampling import RowSampler
 from .state import Row
 
@@ -83,36 +85,57 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
             kept, tokens = accept_greedy(logits, meta.drafts)
         tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
         return kept, tokens.astype(mx.int32), tables
-    kepts, toks, tables = [], [], []
-    for b in range(B):
+    lg, p_rows, noise = [], [], []
+    for b in range(B):  # each row's own code: processors, its p and random numbers
         with blame(meta.request_ids[b]):
-            kb, tb, lb = _accept_row(meta, b, logits[b])
-        kepts.append(kb)
-        toks.append(tb)
-        tables.append(lb)
-    kept = mx.stack(kepts).astype(mx.int32) if k else mx.zeros((B,), dtype=mx.int32)
-    return kept, mx.stack(toks).astype(mx.int32), mx.stack(tables) if meta.top_logprobs is not None else None
+            lg_b, p_b, noise_b = _prepare_row(meta, b, logits[b])
+        lg.append(lg_b)
+        p_rows.append(p_b)
+        noise.append(noise_b)
+    lg = mx.stack(lg)
+    if k == 0:
+        kept = mx.zeros((B,), dtype=mx.int32)
+        tokens = mx.stack([p_b if p_b is not None else mx.argmax(lg[b], axis=-1) for b, p_b in enumerate(p_rows)])
+    else:
+        kept, tokens = _accept_mixed(meta, lg, p_rows, noise)
+    tokens = tokens.astype(mx.int32)
+    tables = logprob_table(lg, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
+    return kept.astype(mx.int32), tokens, tables
 
 
-def _accept_row(meta: VerifyMetadata, b: int, lg: mx.array):
-    """Row b of a mixed batch: logits [k+1, V] -> (kept, tokens [k+1], logprob table or None)."""
+def _prepare_row(meta: VerifyMetadata, b: int, lg: mx.array):
+    """Row b's part of a mixed batch, logits [k+1, V] -> (its processed logits, then for a
+    sampled row: with k = 0 its drawn token, else its p log-probabilities; and its random
+    numbers (rejection_sampler.row_noise); None where the row is greedy)."""
     s, drafts, k = meta.samplers[b], meta.drafts[b], meta.num_drafts
-    kept = None
     if s.procs:
         base = mx.array(meta.contexts[b], dtype=mx.int32)
         lg = s.process(lg, [mx.concatenate([base, drafts[:j]]) for j in range(k + 1)])
+    if s.params.greedy:
+        return lg, None, None
     if k == 0:
-        tokens = mx.argmax(lg, axis=-1) if s.params.greedy else s.draw(lg)
-    elif s.params.greedy:
-        kept, tokens = accept_greedy(lg[None], drafts[None])
-        kept, tokens = kept[0], tokens[0]
-    else:
-        kept, tokens = accept_sampled(s.logprobs(lg), meta.draft_logprobs[b], drafts, s.next_key(),
-                                      rule=meta.rule)
-    tokens = tokens.astype(mx.int32)
-    top_n = meta.top_logprobs
-    table = logprob_table(lg[None], tokens[None], top_n)[0] if top_n is not None else None
-    return kept, tokens, table
+        return lg, s.draw(lg), None
+    return lg, s.logprobs(lg), row_noise(s.next_key(), k, lg.shape[-1])
+
+
+def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list):
+    """One vectorised accept for greedy and sampled rows together: greedy rows keep drafts
+    that match the argmax of their (processed) logits, sampled rows by rejection sampling
+    against the q their drafts came from; each row's result is picked by its kind."""
+    drafts, k = meta.drafts, meta.num_drafts
+    sampled = [p is not None for p in p_rows]
+    kept, tokens = accept_greedy(lg, drafts)
+    if any(sampled):
+        V = lg.shape[-1]
+        p = mx.stack([p_b if p_b is not None else mx.zeros((k + 1, V), lg.dtype) for p_b in p_rows])
+        q = mx.stack([q if q is not None else mx.zeros((k, V), p.dtype) for q in meta.draft_logprobs])
+        u = mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise])
+        g = mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])
+        kept_s, tokens_s = accept_sampled_rows(p, q.astype(p.dtype), drafts, u, g, rule=meta.rule)
+        mask = mx.array(sampled)
+        kept = mx.where(mask, kept_s, kept)
+        tokens = mx.where(mask[:, None], tokens_s, tokens)
+    return kept, tokens
 
 
 def draft_picker(rows: List[Row]):
