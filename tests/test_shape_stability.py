@@ -80,7 +80,7 @@ def run(eng, prompt, n, ref=None, depth=None):
 # Warm-up: one request per cache-capacity bucket (256 tokens) and depth. Shapes depend
 # on the bucket and the cycle's depth by design (a request's last cycles draft fewer
 # tokens: only what is left), never on the position inside the bucket.
-WARM_UP = [5, 300, 600]
+WARM_UP = [5, 300, 560]
 NEW_LENGTHS = [7, 33, 100, 201, 249, 260, 333, 450, 511, 590]
 
 
@@ -116,7 +116,7 @@ def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k, pipelined):
     rec = ShapeRecorder(monkeypatch, eng)
     for n in WARM_UP:
         for depth in range(1, k + 1):
-            run(eng, prompt_of(n, seed=n), 8, ref, depth)
+            run(eng, prompt_of(n, seed=n), 48, ref, depth)
     seen = set(rec.shapes)
     assert any(s[0] == "sdpa" and s[1][2] == k + 1 for s in seen)  # the verify was recorded
     for n in NEW_LENGTHS:

@@ -74,7 +74,7 @@ class BatchGenerator:
         self.shape_stable = self.shape_stable or self.pipeline_drafts
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
-        self.batch = Batch(self.shape_stable)
+        self.batch = Batch(self.shape_stable, head_width=self.max_depth + 1)
         self.waiting: deque = deque()  # Rows not yet prefilled
         self.inbox = scheduler.Inbox()
         self.clock = CycleClock()
@@ -244,7 +244,7 @@ class BatchGenerator:
             return mx.zeros((len(rows), 0), dtype=mx.int32), [None] * len(rows)
         p = self.pieces
         drafts, q_rows = draft(p.head, p.vocab, self.head_cache, [r.pend for r in rows], [r.pend_t for r in rows],
-                               k, self._picker(rows))
+                               k, self._picker(rows), self.batch.head_width)
         if self.draft_hook is not None:
             drafts = self.draft_hook(rows, drafts, None)
         if self.profile:

@@ -144,7 +144,7 @@ def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, pick, h
             c.trim_rows([prev.k - 1] * B)
     ys = prev.tokens[mx.arange(B), prev.kept][:, None]
     drafts, q_rows = draft_unread(pieces.head, pieces.vocab, batch.head_cache, prev.hidden, prev.tokens,
-                                  prev.kept, k, pick)
+                                  prev.kept, k, pick, batch.head_width)
     if hook is not None:
         drafts = hook(prev.rows, drafts, consumed)
     return verify(pieces, batch.cache, prev.rows, ys, drafts, q_rows, rule, t0, True)
@@ -154,5 +154,5 @@ def settle(prev: Cycle, batch: Batch, kept: List[int]) -> None:
     """prev was rolled back by the cycle built after it (launch_after): now that its kept
     counts are read, settle the trims that cycle deferred."""
     adapter.settle(batch.cache, [prev.k - n for n in kept])
-    bucket = batch.head_cache[0].query_bucket(prev.k + 1)
+    bucket = batch.head_cache[0].query_bucket(prev.k + 1, batch.head_width)
     adapter.settle(batch.head_cache, [bucket - 1 - n for n in kept])

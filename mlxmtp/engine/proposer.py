@@ -64,16 +64,19 @@ def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]
 
 
 def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
-              pend_t: Sequence[List[int]], counts: Sequence[int]) -> Tuple[mx.array, List[List[Segment]]]:
+              pend_t: Sequence[List[int]], counts: Sequence[int],
+              width: int = 0) -> Tuple[mx.array, List[List[Segment]]]:
     """Consume the first counts[b] pending pairs of every row.
 
     Returns (h' [B, P, H], what is left pending per row). Rows are right-padded to
     P = max(counts), or to the head cache's shape bucket for that many tokens in its
-    shape-stable mode (so a catch-up after a plain-decoding stretch of any length reuses
-    one of a few shapes); the padding lands after each row's real entries (the causal
-    mask hides it) and is trimmed from the head cache right after.
+    shape-stable mode (`width` when they fit: the engine's deepest verify, so every pass
+    of a drafting cycle has one shape; a catch-up after a plain-decoding stretch of any
+    length takes one of a few larger ones); the padding lands
+    after each row's real entries (the causal mask hides it) and is trimmed from the head
+    cache right after.
     """
-    P = head_cache[0].query_bucket(max(counts)) if head_cache else max(counts)
+    P = head_cache[0].query_bucket(max(counts), width) if head_cache else max(counts)
     H = vocab.args.hidden_size
     toks = [list(t[:n]) + [0] * (P - n) for t, n in zip(pend_t, counts)]
     hid = _batch_view(pend, P)
@@ -105,27 +108,28 @@ def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequ
 
 
 def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
-          pend_t: Sequence[List[int]], k: int, pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
+          pend_t: Sequence[List[int]], k: int, pick, width: int = 0) -> Tuple[mx.array, List[Optional[mx.array]]]:
     """Chain k drafts per row from all pending pairs.
 
     `pick(step, logits [B, V], drafts_so_far [B, step]) -> (tokens [B], q logprobs per row)`
     decides each draft (argmax, or a sample from the request's processed distribution).
     Returns drafts [B, k] and per row the q log-probabilities [k, V] (None when greedy).
+    `width`: the head pass's query width in shape-stable mode (see head_pass).
     """
     counts = [len(t) for t in pend_t]
-    g, _ = head_pass(head, vocab, head_cache, pend, pend_t, counts)
+    g, _ = head_pass(head, vocab, head_cache, pend, pend_t, counts, width)
     g = g[mx.arange(g.shape[0]), mx.array(counts) - 1][:, None, :]  # each row's last real position
     return chain(head, vocab, head_cache, g, k, pick)
 
 
 def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array, tokens: mx.array,
-                 kept: mx.array, k: int, pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
+                 kept: mx.array, k: int, pick, width: int) -> Tuple[mx.array, List[Optional[mx.array]]]:
     """`draft` right after a cycle that was not read yet: its pending inputs are that cycle's
     hidden states [B, T, H] paired with its tokens [B, T], of which row b's first kept[b] + 1
     are real (kept [B] on the device). The head takes all T (padded to its shape bucket) and
     defers the trim of what is not real (a shape-stable head cache, see RaggedKVCache)."""
     B, T = tokens.shape
-    P = head_cache[0].query_bucket(T)
+    P = head_cache[0].query_bucket(T, width)
     if P > T:
         tokens = mx.concatenate([tokens, mx.zeros((B, P - T), tokens.dtype)], axis=1)
         hidden = mx.concatenate([hidden, mx.zeros((B, P - T, hidden.shape[2]), hidden.dtype)], axis=1)

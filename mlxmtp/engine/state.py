@@ -65,11 +65,14 @@ def acceptance_classes(rows: List[Row]) -> List[str]:
 class Batch:
     """The active rows, in batch order, and their batched caches (None while it is empty)."""
 
-    def __init__(self, shape_stable: bool):
+    def __init__(self, shape_stable: bool, head_width: int = 0):
         self.rows: List[Row] = []
         self.cache: Optional[list] = None
         self.head_cache: Optional[list] = None
         self.shape_stable = shape_stable
+        # Shape-stable mode: the head passes of drafting cycles are padded to this many
+        # queries (the deepest verify's width), one shape whatever each row kept.
+        self.head_width = head_width
 
     def join(self, row: Row) -> None:
         """Append a prefilled row; its own caches become the batch's last row."""

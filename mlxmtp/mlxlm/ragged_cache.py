@@ -93,12 +93,13 @@ class RaggedKVCache:
         end = max(self.lengths)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def query_bucket(self, N: int) -> int:
-        """How many query tokens a forward of N should be padded to: N, or in shape-stable
-        mode the next power of two (a forward's shapes then come from a few buckets)."""
+    def query_bucket(self, N: int, width: int = 0) -> int:
+        """How many query tokens a forward of N should be padded to: N; in shape-stable mode
+        `width` when N fits in it (a head pass padded to the verify's width shares the
+        verify's shapes), else the next power of two (a long catch-up takes one of a few)."""
         if not self._fixed_shape(N):
             return N
-        return 1 << (N - 1).bit_length()
+        return width if N <= width else 1 << (N - 1).bit_length()
 
     def _fixed_shape(self, N: int) -> bool:
         return self.fixed_shape_from is not None and N >= self.fixed_shape_from
