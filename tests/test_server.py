@@ -513,3 +513,28 @@ def test_pipelined_drafts_serve_the_same_greedy_output(start_server, oai):
         assert chat(piped, text, max_tokens=40, extra_body=pin).choices[0].message.content == want
         stream = chat(piped, text, max_tokens=40, stream=True, extra_body=pin)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_cycle_costs_are_calibrated_before_the_first_request(server_model, monkeypatch):
+    """The server measures decode-cycle costs while starting, so no request waits for it."""
+    from mlxmtp.engine import calibration
+    from mlxmtp.models.load import MTPModel
+
+    base, tok = server_model
+    model = MTPModel(base.base, base.parts, base.head, base.source, base.info, base.hidden_state,
+                     vocab=base.vocab)  # the same weights, policies of its own
+    calls = []
+    measure = calibration.measure_cycle_costs
+
+    def spy(pieces, batch_size, *args, **kwargs):
+        calls.append(batch_size)
+        return measure(pieces, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
+    with ServerThread(create_app(model, tok, model_id=MODEL)) as srv:
+        assert calls == [1]  # before any request
+        policy = srv.state.bridge.engine.policy
+        assert not policy.needs_costs(1)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        chat(client, "def f(x):", max_tokens=8)
+        assert calls == [1]

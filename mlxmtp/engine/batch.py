@@ -174,12 +174,19 @@ class BatchGenerator:
             self._inflight = self._inflight.select(keep) if keep else None
 
     # ---------------------------------------------------------------- decode
+    def calibrate(self, batch_size: int = 1) -> bool:
+        """Measure cycle costs at `batch_size` rows now, if the depth policy has none yet
+        (engine/calibration.py) -> whether it ran. The server does it for one row at start-up,
+        so no request waits for it; other batch sizes are measured when first decoded."""
+        if self.pieces.head is None or not self.policy.needs_costs(batch_size):
+            return False
+        self.policy.seed_costs(batch_size, calibration.measure_cycle_costs(
+            self.pieces, batch_size, self.policy.max_depth, self.shape_stable, pipelined=self.pipeline_drafts))
+        self.clock.untimed()
+        return True
+
     def _decode_cycle(self, events: List[Event]) -> None:
-        if self.pieces.head is not None and self.policy.needs_costs(len(self.rows)):
-            self.policy.seed_costs(len(self.rows), calibration.measure_cycle_costs(
-                self.pieces, len(self.rows), self.policy.max_depth, self.shape_stable,
-                pipelined=self.pipeline_drafts))
-            self.clock.untimed()
+        self.calibrate(len(self.rows))
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1

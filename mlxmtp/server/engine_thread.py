@@ -117,6 +117,10 @@ class EngineBridge:
             self._start_error = e
             self._ready.set()
             return
+        try:
+            self.engine.calibrate(1)  # before serving: the first request does not wait for it
+        except Exception:  # noqa: BLE001 - the engine still runs; it calibrates on first use
+            log.exception("cost calibration at start-up failed")
         self._ready.set()
         self._run()
 
