@@ -65,13 +65,14 @@ class BatchGenerator:
         # Shape-stable drafting cycles (see mlxlm/ragged_cache.py): what a GPU backend that plans or
         # compiles kernels per shape needs. Off by default on the CPU backend, which compiles
         # nothing per shape, and where attending over a whole buffer costs real work.
-        self.shape_stable = mx.default_device() != mx.cpu if shape_stable is None else shape_stable
         # Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by
         # default: each cycle then builds the Gated DeltaNet replay a rollback may need whether
         # or not it is needed (one fused kernel on Metal, step-by-step ops elsewhere), which
         # can cost more than the overlap saves (BENCHMARKS.md).
         self.pipeline_drafts = pipeline_drafts and not profile
-        self.shape_stable = self.shape_stable or self.pipeline_drafts
+        if shape_stable is None:
+            shape_stable = mx.default_device() != mx.cpu
+        self.shape_stable = shape_stable or self.pipeline_drafts
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
         self.batch = Batch(self.shape_stable, head_width=self.max_depth + 1)

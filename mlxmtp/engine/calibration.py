@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from ..mlxlm import adapter, gdn_capture
 from .pieces import ModelPieces
+from .proposer import chain
 
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
 REPS = 5  # timed rounds over every depth, after one untimed round
@@ -89,21 +90,24 @@ def _drafting_cycles(pieces: ModelPieces, cache: list, head_cache: list, g: mx.a
 
 
 def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, k: int) -> list:
+    """One drafting cycle's graph (queued by the caller): the head's pass over the last
+    verify's state, k chained drafts as the proposer makes them, the verify and its argmax."""
     B = g.shape[0]
-    drafts = []
-    tok = mx.zeros((B, 1), mx.int32)
-    for _ in range(k):
-        g = pieces.head(pieces.vocab.embed_tokens(tok), g, head_cache)
-        tok = mx.argmax(pieces.vocab.lm_head(g), axis=-1).astype(mx.int32)
-        drafts.append(tok)
-    mx.async_eval(*drafts)
-    inputs = mx.concatenate([mx.zeros((B, 1), mx.int32), *drafts], axis=1)
+    ys = mx.zeros((B, 1), mx.int32)
+    g = pieces.head(pieces.vocab.embed_tokens(ys), g, head_cache)
+    drafts, _ = chain(pieces.head, pieces.vocab, head_cache, g, k, _argmax_pick)
+    mx.async_eval(drafts)
+    inputs = mx.concatenate([ys, drafts], axis=1)
     with gdn_capture.record():
         logits, _ = adapter.forward(pieces.parts, inputs, cache, pieces.hidden_state)
     out = [mx.argmax(logits, axis=-1), *adapter.cache_arrays(cache)]
     _trim(cache, k + 1)
     _trim(head_cache, k)
     return out
+
+
+def _argmax_pick(step: int, logits: mx.array, so_far: mx.array):
+    return mx.argmax(logits, axis=-1), [None] * logits.shape[0]
 
 
 def _trim(cache: list, n: int) -> None:

@@ -9,10 +9,10 @@ row from the states recorded during the verify; no second forward.
 
 Plain decoding (k = 0) is pipelined as mlx-lm does it: a cycle's forward is queued on
 the device before the previous cycle's tokens are read (`BatchGenerator._decode_cycle`).
-Drafting cycles are pipelined the same way where the caches are shape-stable (the GPU
-default): `launch_after` builds the next cycle from the previous one's results while they
-are still on the device (its rollback, its head inputs and its last token as arrays), so
-the host builds a cycle while the device computes the one before.
+With `pipeline_drafts` (shape-stable caches), drafting cycles are pipelined the same way:
+`launch_after` builds the next cycle from the previous one's results while they are still
+on the device (its rollback, its head inputs and its last token as arrays), so the host
+builds a cycle while the device computes the one before.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def choose_depth(policy, rows: List[Row], has_head: bool) -> Tuple[int, str]:
     if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
         return max(0, min(min(pinned), limit)), "pinned by a request"
     k = policy.choose(len(rows), limit, acceptance_classes(rows))
-    return k, getattr(policy, "why", "")
+    return k, policy.why
 
 
 def first_inputs(rows: List[Row], after: Optional[Cycle]) -> mx.array:
@@ -124,8 +124,12 @@ def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
 def roll_back(rec: Cycle, batch: Batch, consumed: List[int]) -> None:
     """Roll the caches back to exactly the tokens each row consumed (y plus the kept drafts)."""
     adapter.commit(batch.cache, rec.records, consumed, rec.k + 1)
+    _drop_chained_head_rows(batch, rec)
+
+
+def _drop_chained_head_rows(batch: Batch, rec: Cycle) -> None:
+    """Trim the rows the head wrote while chaining drafts 2..k (from its own guesses)."""
     if batch.head_cache is not None and rec.k > 1:
-        # The rows the head wrote while chaining drafts 2..k (from its own guesses).
         for c in batch.head_cache:
             c.trim_rows([rec.k - 1] * len(rec.rows))
 
@@ -139,9 +143,7 @@ def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, pick, h
     B = len(prev.rows)
     consumed = prev.kept + 1
     adapter.commit_unread(batch.cache, prev.records, consumed, prev.k + 1)
-    if prev.k > 1:  # the head rows prev's chained drafts wrote
-        for c in batch.head_cache:
-            c.trim_rows([prev.k - 1] * B)
+    _drop_chained_head_rows(batch, prev)
     ys = prev.tokens[mx.arange(B), prev.kept][:, None]
     drafts, q_rows = draft_unread(pieces.head, pieces.vocab, batch.head_cache, prev.hidden, prev.tokens,
                                   prev.kept, k, pick, batch.head_width)

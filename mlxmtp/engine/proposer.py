@@ -58,9 +58,23 @@ def _batch_view(pend: Sequence[Sequence[Segment]], P: int) -> Optional[mx.array]
         return None
     if any(segs[0][0] is not arr or segs[0][1] != b for b, segs in enumerate(pend)):
         return None
-    if arr.shape[1] < P:  # padded to a shape bucket (see head_pass)
-        return mx.concatenate([arr, mx.zeros((B, P - arr.shape[1], arr.shape[2]), arr.dtype)], axis=1)
-    return arr[:, :P]
+    return _pad_positions(arr[:, :P], P, axis=1)
+
+
+def _pad_positions(x: mx.array, P: int, axis: int) -> mx.array:
+    """x with zeros appended along `axis` up to P positions (head_pass's padding)."""
+    n = x.shape[axis]
+    if n >= P:
+        return x
+    shape = list(x.shape)
+    shape[axis] = P - n
+    return mx.concatenate([x, mx.zeros(shape, x.dtype)], axis=axis)
+
+
+def _head_forward(head: MTPHead, vocab: Vocab, head_cache: list, tokens: mx.array, hidden: mx.array) -> mx.array:
+    """The head over (embedding of tokens [B, P], hidden [B, P, H]) -> h' [B, P, H]."""
+    emb = vocab.embed_tokens(tokens)
+    return head(emb, hidden.astype(emb.dtype) if hidden.dtype != emb.dtype else hidden, head_cache)
 
 
 def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
@@ -89,10 +103,7 @@ def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequ
                 h = mx.zeros((0, H), dtype=mx.float32)
             left = pending_count(segs) - n
             rest.append([(h[n:], None, left)] if left > 0 else [])
-            h = h[:n]
-            if n < P:
-                h = mx.concatenate([h, mx.zeros((P - n, H), dtype=h.dtype)])
-            rows.append(h)
+            rows.append(_pad_positions(h[:n], P, axis=0))
         hid = mx.stack(rows)
     else:
         rest = [[] for _ in pend]
@@ -100,8 +111,7 @@ def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequ
             arr, _, total = segs[0]
             if total > n:
                 rest[b] = [(arr[b, n:total], None, total - n)]
-    emb = vocab.embed_tokens(mx.array(toks))
-    out = head(emb, hid.astype(emb.dtype) if hid.dtype != emb.dtype else hid, head_cache)
+    out = _head_forward(head, vocab, head_cache, mx.array(toks), hid)
     for c in head_cache:
         c.trim_rows([P - n for n in counts])
     return out, rest
@@ -130,11 +140,7 @@ def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array
     defers the trim of what is not real (a shape-stable head cache, see RaggedKVCache)."""
     B, T = tokens.shape
     P = head_cache[0].query_bucket(T, width)
-    if P > T:
-        tokens = mx.concatenate([tokens, mx.zeros((B, P - T), tokens.dtype)], axis=1)
-        hidden = mx.concatenate([hidden, mx.zeros((B, P - T, hidden.shape[2]), hidden.dtype)], axis=1)
-    emb = vocab.embed_tokens(tokens)
-    g = head(emb, hidden.astype(emb.dtype) if hidden.dtype != emb.dtype else hidden, head_cache)
+    g = _head_forward(head, vocab, head_cache, _pad_positions(tokens, P, axis=1), _pad_positions(hidden, P, axis=1))
     for c in head_cache:
         c.defer_trim(P - 1 - kept)
     g = g[mx.arange(B), kept][:, None, :]

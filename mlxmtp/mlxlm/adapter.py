@@ -103,15 +103,23 @@ def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> No
         c.trim_rows(trims)
     gdn = gdn_layers(cache)
     assert len(gdn) == len(records), "recorded Gated DeltaNet layers do not match the cache"
-    B = len(kept)
+    if len(kept) == 1:  # one row: the conv state is a plain slice
+        for c, rec in zip(gdn, records):
+            n = kept[0]
+            c[0] = rec.conv_input[:, n : n + rec.conv_input.shape[1] - verified]
+            c[1] = rec.state_after(kept)
+        return
+    _roll_back_gdn(gdn, records, mx.array(kept), kept, verified)
+
+
+def _roll_back_gdn(gdn: list, records: list, consumed: mx.array, kept, verified: int) -> None:
+    """Each Gated DeltaNet layer to its state after consumed[b] ([B] array) of the verified
+    tokens of row b: the conv window's slice, and the recurrence replayed over the kept
+    positions (`kept`: the same counts as host ints, or the array itself)."""
     for c, rec in zip(gdn, records):
         n_keep = rec.conv_input.shape[1] - verified
-        if B == 1:
-            n = kept[0]
-            c[0] = rec.conv_input[:, n : n + n_keep]
-        else:
-            pos = (mx.array(kept)[:, None] + mx.arange(n_keep))[..., None]
-            c[0] = mx.take_along_axis(rec.conv_input, pos, axis=1)
+        pos = (consumed[:, None] + mx.arange(n_keep))[..., None]
+        c[0] = mx.take_along_axis(rec.conv_input, pos, axis=1)
         c[1] = rec.state_after(kept)
 
 
@@ -121,11 +129,7 @@ def commit_unread(cache: list, records: list, consumed: mx.array, verified: int)
     and replayed from the array (shape-stable caches only)."""
     for c in attention_caches(cache):
         c.defer_trim(verified - consumed)
-    for c, rec in zip(gdn_layers(cache), records):
-        n_keep = rec.conv_input.shape[1] - verified
-        pos = (consumed[:, None] + mx.arange(n_keep))[..., None]
-        c[0] = mx.take_along_axis(rec.conv_input, pos, axis=1)
-        c[1] = rec.state_after(consumed)
+    _roll_back_gdn(gdn_layers(cache), records, consumed, consumed, verified)
 
 
 def settle(cache: list, trims: Sequence[int]) -> None:
