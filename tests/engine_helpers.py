@@ -61,3 +61,18 @@ def oracle_hook(expected: dict, p_correct: float = 0.7, seed: int = 0):
         return mx.stack(out).astype(mx.int32)
 
     return hook
+
+
+def calibration_calls(monkeypatch) -> list:
+    """The batch sizes the engine calibrates cycle costs at, recorded as it goes."""
+    from mlxmtp.engine import calibration
+
+    calls = []
+    measure = calibration.measure_cycle_costs
+
+    def spy(pieces, batch_size, *args, **kwargs):
+        calls.append(batch_size)
+        return measure(pieces, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
+    return calls

@@ -3,7 +3,7 @@ every depth's cost before its first cycle at a batch size, skips its calibration
 and the cycles it times itself still take over."""
 
 import pytest
-from engine_helpers import loaded, prompt_of, reference_greedy
+from engine_helpers import calibration_calls, loaded, prompt_of, reference_greedy
 
 from mlxmtp.engine import adaptive, calibration
 from mlxmtp.engine.adaptive import DepthPolicy
@@ -28,14 +28,7 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
     path = str(fixture_model("qwen3_next")["hf"])
     _, _, ref = loaded(path)
     model, tok = load(path)  # a model of its own: the policy is shared by the model's engines
-    calls = []
-    measure = calibration.measure_cycle_costs
-
-    def spy(pieces, batch_size, *args, **kwargs):
-        calls.append(batch_size)
-        return measure(pieces, batch_size, *args, **kwargs)
-
-    monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
+    calls = calibration_calls(monkeypatch)
     prompt = prompt_of(30, seed=4)
     for _ in range(2):
         eng = BatchGenerator(model, tok)

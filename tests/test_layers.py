@@ -61,17 +61,13 @@ def test_models_never_import_convert(path):
     assert not bad, f"{path.name} imports the converter: {bad}"
 
 
-@pytest.mark.parametrize("path", _modules("checkpoint"), ids=lambda p: p.name)
-def test_checkpoint_formats_import_no_other_layer(path):
-    bad = [(n, line) for n, line, _ in _imports(path)
-           if _reaches(n, "mlxmtp") and not _reaches(n, "mlxmtp.checkpoint")]
-    assert not bad, f"{path.name} imports above the checkpoint formats: {bad}"
-
-
-def test_demo_locator_does_not_import_test_support():
-    bad = [(n, line) for n, line, _ in _imports(PACKAGE / "models" / "demo.py")
-           if _reaches(n, "mlxmtp.testing")]
-    assert not bad
+@pytest.mark.parametrize("path", _modules("checkpoint") + _modules("mlxlm"),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_lowest_layers_import_no_other_layer(path):
+    """The checkpoint formats and the mlx-lm boundary import nothing else of mlxmtp."""
+    own = f"mlxmtp.{path.parent.name}"
+    bad = [(n, line) for n, line, _ in _imports(path) if _reaches(n, "mlxmtp") and not _reaches(n, own)]
+    assert not bad, f"{path.name} imports above its layer: {bad}"
 
 
 @pytest.mark.parametrize("path", _product_modules(),
@@ -100,11 +96,10 @@ def test_only_the_mlxlm_package_imports_mlx_lm(path):
     assert not bad, f"{path.name} imports mlx-lm directly: {bad}"
 
 
-@pytest.mark.parametrize("path", _modules("mlxlm"), ids=lambda p: p.name)
-def test_the_mlxlm_package_imports_no_other_layer(path):
-    bad = [(n, line) for n, line, _ in _imports(path)
-           if _reaches(n, "mlxmtp") and not _reaches(n, "mlxmtp.mlxlm")]
-    assert not bad, f"{path.name} imports above the mlx-lm boundary: {bad}"
+@pytest.mark.parametrize("path", _product_modules(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_product_code_does_not_import_test_support(path):
+    bad = [(n, line) for n, line, _ in _imports(path) if _reaches(n, "mlxmtp.testing")]
+    assert not bad, f"{path.name} imports the test-support package: {bad}"
 
 
 LAYERS = {"checkpoint": 0, "mlxlm": 0, "models": 1, "convert": 2, "engine": 2, "server": 3}

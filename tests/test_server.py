@@ -517,20 +517,14 @@ def test_pipelined_drafts_serve_the_same_greedy_output(start_server, oai):
 
 def test_cycle_costs_are_calibrated_before_the_first_request(server_model, monkeypatch):
     """The server measures decode-cycle costs while starting, so no request waits for it."""
-    from mlxmtp.engine import calibration
+    from engine_helpers import calibration_calls
+
     from mlxmtp.models.load import MTPModel
 
     base, tok = server_model
     model = MTPModel(base.base, base.parts, base.head, base.source, base.info, base.hidden_state,
                      vocab=base.vocab)  # the same weights, policies of its own
-    calls = []
-    measure = calibration.measure_cycle_costs
-
-    def spy(pieces, batch_size, *args, **kwargs):
-        calls.append(batch_size)
-        return measure(pieces, batch_size, *args, **kwargs)
-
-    monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
+    calls = calibration_calls(monkeypatch)
     with ServerThread(create_app(model, tok, model_id=MODEL)) as srv:
         assert calls == [1]  # before any request
         policy = srv.state.bridge.engine.policy
