@@ -33,23 +33,23 @@ from .limits import MAX_DRAFT_DEPTH
 @click.option("--pipeline-drafts", is_flag=True,
               help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
+@click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Under mlx.launch: seconds a step may wait on the other ranks before the run fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
-             pipeline_drafts=False):
-    """Generate a completion for PROMPT."""
+             pipeline_drafts=False, dist_timeout=30.0):
+    """Generate a completion for PROMPT (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from ..models.load import MTPLoadError, load
-    from .generate import generate as run
+    from ..distributed.group import launched_group
     from .sampling import SamplingParams
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    try:
-        m, tok = load(model, mtp=enable_mtp, mtp_fallback=mtp_fallback, draft_vocab=draft_vocab,
-                      draft_vocab_file=draft_vocab_file)
-    except MTPLoadError as e:
-        raise click.ClickException(str(e)) from e
+    group = launched_group()
+    engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts)
+    m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
+                         draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
     if no_chat_template or tok.chat_template is None:
         ids = tok.encode(prompt)
     else:
@@ -59,13 +59,23 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         params.validate(m.parts.args.vocab_size)
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
+    engine_options["enable_mtp"] = enable_mtp and m.active
     t0 = time.perf_counter()
-    res = run(m, tok, ids, max_tokens=max_tokens, params=params, enable_mtp=enable_mtp and m.active,
-              num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts)
-    wall = time.perf_counter() - t0
+    res = _run(m, tok, ids, group, dist_timeout, engine_options, max_tokens=max_tokens, params=params)
+    if res is None:
+        return  # a rank other than 0: rank 0 reports
     stats = res.stats.as_dict()
-    stats["wall_seconds"] = wall
+    stats["wall_seconds"] = time.perf_counter() - t0
     stats["mtp_active"] = bool(enable_mtp and m.active)
+    if group is not None:
+        from ..distributed.run import distributed_stats  # on use, as above
+
+        stats["distributed"] = distributed_stats(plan, res.distributed)
+    _report(res, stats, m, profile, as_json)
+
+
+def _report(res, stats: dict, m, profile: bool, as_json: bool) -> None:
+    """Print the result: one JSON object, or text as `mlx_lm generate` prints it."""
     if as_json:
         click.echo(json.dumps({"text": res.text, "prompt_tokens": res.prompt_tokens, "token_ids": res.token_ids,
                                "finish_reason": res.finish_reason, "stats": stats}))
@@ -84,3 +94,31 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
                    + ("" if profile else " (draft is inside verify without --profile)"))
     else:
         click.echo("MTP: off" + (f" ({m.disabled_reason})" if m.disabled_reason else ""))
+
+
+def _load(model, group, engine_options: dict, **load_options):
+    """(model, tokenizer, plan): the whole model, or this rank's share under mlx.launch."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..models.load import MTPLoadError, load
+
+    try:
+        if group is None:
+            return (*load(model, **load_options), None)
+        from ..distributed.load import load_on_rank  # on use, as above
+
+        return load_on_rank(group, model, {**engine_options, **load_options}, **load_options)
+    except MTPLoadError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def _run(m, tok, ids, group, dist_timeout: float, engine_options: dict, **generate_options):
+    """The result: alone, or rank 0 of a distributed run; None on the other ranks."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from .generate import generate as run
+
+    if group is None:
+        return run(m, tok, ids, **engine_options, **generate_options)
+    from ..distributed.run import generate_on_ranks  # on use, as above
+
+    return generate_on_ranks(group, m, tok, ids, dist_timeout=dist_timeout, engine_options=engine_options,
+                             **generate_options)

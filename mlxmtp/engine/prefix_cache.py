@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -138,6 +138,9 @@ class PrefixCache:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
+        # A distributed engine's ranks must keep and evict the same entries while each
+        # holds other layers: it sets this to share rank 0's sizes (distributed/engine.py).
+        self.agree: Optional[Callable[[int], int]] = None
 
     def lookup(self, prompt: Sequence[int]) -> Optional[PrefixEntry]:
         """The longest stored sequence that is a prefix of `prompt` (it may equal it)."""
@@ -165,6 +168,8 @@ class PrefixCache:
         head_cache = adapter.copy_cache(head_cache) if head_cache is not None else None
         nbytes = adapter.cache_nbytes(cache) + (adapter.cache_nbytes(head_cache) if head_cache else 0)
         nbytes += (pend_h.nbytes if pend_h is not None else 0) + last_logits.nbytes
+        if self.agree is not None:
+            nbytes = self.agree(nbytes)
         if nbytes > self.max_bytes:
             return
         entry = PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from . import gdn_capture
 from .family import TextParts
+from .pipeline import local_layers
 from .ragged_cache import RaggedKVCache
 
 
@@ -23,9 +24,10 @@ def is_linear(layer) -> bool:
 
 
 def make_cache(parts: TextParts, batch_size: int = 1) -> list:
-    """Ragged KV caches for attention layers, mlx-lm ArraysCache for Gated DeltaNet layers."""
+    """Ragged KV caches for attention layers, mlx-lm ArraysCache for Gated DeltaNet layers
+    (for the layers this process runs: all, or its share of a pipeline split)."""
     return [ArraysCache(size=2) if is_linear(layer) else RaggedKVCache(batch_size)
-            for layer in parts.backbone.layers]
+            for layer in local_layers(parts.backbone)]
 
 
 def make_head_cache(head, batch_size: int = 1) -> list:

@@ -9,6 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import mlx.core as mx
+
+from .family import text_parts
+from .pipeline import split_backbone
+
 
 def load(model_dir: Path, lazy: bool = False):
     """(model, tokenizer) of a local MLX or HF folder, as `mlx_lm.load` makes them."""
@@ -39,3 +44,17 @@ def load_tokenizer(model_dir: Path, eos_token_ids: Optional[list] = None):
     from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
     return _load_tokenizer(Path(model_dir), eos_token_ids=eos_token_ids)
+
+
+def load_pipelined(model_dir: Path, group, split, strict: bool = True):
+    """(model, tokenizer) holding only this rank's layers of a pipeline split (pipeline.py):
+    the model is built lazily, the other ranks' layers are dropped, and only then are the
+    weights read, so a rank's memory is its share. strict=False when the folder holds this
+    rank's weight files only (a partial download), as mlx-lm's own sharded_load does."""
+    # mlx-lm on use (see the module docstring)
+    from mlx_lm.utils import load_model as _load_model
+
+    model, config = _load_model(Path(model_dir), lazy=True, strict=strict)
+    split_backbone(text_parts(model).backbone, group, split)
+    mx.eval(model.parameters())
+    return model, load_tokenizer(Path(model_dir), eos_token_ids=config.get("eos_token_id"))

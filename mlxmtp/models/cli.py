@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
 
 @click.command()
 @click.argument("model")
+@click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Also plan a distributed run on N ranks: layers, files and bytes of weights per rank.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(model, as_json):
+def inspect(model, as_json, ranks=1):
     """Family, quantization and MTP head (present? where? layers, expert layout) of MODEL."""
-    from .load import inspect_model  # on use: `mlxmtp` start-up imports every subcommand module
+    # On use: `mlxmtp` start-up imports every subcommand module
+    from ..checkpoint.split_plan import make_plan
+    from .load import inspect_model
 
     try:
         info = inspect_model(model)
+        if ranks > 1:
+            info["distributed"] = make_plan(Path(info["path"]), ranks).as_dict()
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     if as_json:
@@ -32,3 +39,6 @@ def inspect(model, as_json):
         click.echo(f"  hidden:     {m['hidden_state']}")
     else:
         click.echo("MTP head:     MISSING (repair with `mlxmtp add-mtp-weights --model MODEL --source BF16_SOURCE`)")
+    for r in info.get("distributed", {}).get("ranks", []):
+        click.echo(f"rank {r['rank']}:       layers {r['layers'][0]}-{r['layers'][1] - 1}, "
+                   f"{r['bytes'] / 2**30:.2f} GiB of weights, {len(r['files'])} file(s)")

@@ -84,20 +84,19 @@ class MTPModel:
         return getattr(base, name)
 
 
-def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None) -> Path:
+CONFIG_FILES = ["*.json", "*.py", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt", f"{mtp_folder.FOLDER}/*"]
+
+
+def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None,
+                       weight_files: Optional[list] = None) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id through huggingface_hub
-    (its cache makes a second load offline)."""
+    (its cache makes a second load offline). `weight_files`: fetch only these weight
+    files (a rank of a distributed run: distributed/load.py); default every one."""
     p = Path(path_or_hf_id).expanduser()
     if p.exists():
         return p
-    return Path(
-        snapshot_download(
-            path_or_hf_id,
-            revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "*.py", "*.jinja", "tokenizer.model",
-                            "*.tiktoken", "*.txt", f"{mtp_folder.FOLDER}/*"],
-        )
-    )
+    weights = ["*.safetensors"] if weight_files is None else list(weight_files)
+    return Path(snapshot_download(path_or_hf_id, revision=revision, allow_patterns=CONFIG_FILES + weights))
 
 
 def locate_head(model_dir: Path) -> Optional[HeadSource]:
@@ -238,18 +237,23 @@ def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Pa
 
 def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
          hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False,
-         draft_vocab: int = 0, draft_vocab_file=None):
+         draft_vocab: int = 0, draft_vocab_file=None, pipeline=None):
     """(MTPModel, tokenizer): the model and tokenizer as mlx-lm loads them, with the MTP head.
 
     mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
     unless mtp_fallback, in which case the model loads without MTP and the reason is logged.
     draft_vocab=N (> 0): the head drafts only from the first N tokens of the model's token
     list (`mtp/draft_vocab.json`, or `draft_vocab_file`); vocabularies over 64K only.
+    pipeline=(group, split, strict): load only this rank's layers of a pipeline split
+    (distributed/load.py); the head and everything outside the layers load on every rank.
     """
     if path_or_hf_id is None:
         path_or_hf_id = str(demo_model_path())
     model_dir = resolve_model_path(str(path_or_hf_id), revision)
-    model, tokenizer = loading.load(model_dir, lazy=lazy)
+    if pipeline is not None:
+        model, tokenizer = loading.load_pipelined(model_dir, *pipeline)
+    else:
+        model, tokenizer = loading.load(model_dir, lazy=lazy)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
         mtp_model = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,

@@ -71,17 +71,20 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
                prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
-               max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False) -> Starlette:
+               max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
+               engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
-    name asked for) unless `strict_model_name`: then only the model id and its aliases."""
+    name asked for) unless `strict_model_name`: then only the model id and its aliases.
+    `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
+    distributed server passes its own)."""
     _materialize(model)
     mtp_active, reason = _mtp_status(model, enable_mtp)
     metrics = Metrics()
+    options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts)
 
     def make_engine():
-        return BatchGenerator(model, tok, enable_mtp=mtp_active, num_draft=num_draft, max_batch=max_concurrent,
-                              prefix_cache_bytes=int(prefix_cache_mb) * 2**20, pipeline_drafts=pipeline_drafts)
+        return engine_factory(model, tok, **options)
 
     bridge = EngineBridge(make_engine, metrics)
     model_id = model_id or "mlxmtp-demo"
@@ -103,6 +106,14 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     app = Starlette(routes=_routes(state), lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
     app.state.server = state
     return _Outer(app, state, api_key, int(max_body_mb * 2**20))
+
+
+def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int, prefix_cache_mb: int,
+                   pipeline_drafts: bool) -> dict:
+    """The server's engine settings (every rank of a distributed server builds its engine
+    from these)."""
+    return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
+                prefix_cache_bytes=int(prefix_cache_mb) * 2**20, pipeline_drafts=pipeline_drafts)
 
 
 def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -51,25 +52,31 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM / Ctrl+C, seconds open streams may run before they are ended with an error "
                    "event; a second signal exits at once.")
+@click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Under mlx.launch: seconds a step may wait on the other ranks; past it the requests in "
+                   "flight fail and the server exits non-zero.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
-          draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False):
-    """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages)."""
+          draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, dist_timeout=30.0):
+    """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
+    Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
     _check_api_key(api_key)  # before the (slow) model load
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from ..models.load import MTPLoadError, load
+    from ..distributed.group import launched_group
 
     logging.getLogger("mlxmtp").setLevel(log_level.upper())
     want_mtp = enable_mtp is not False
     # Without an explicit --enable-mtp a headless model simply runs without MTP.
     fallback = mtp_fallback or enable_mtp is None
-    try:
-        m, tok = load(model, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
-                      draft_vocab_file=draft_vocab_file)
-    except MTPLoadError as e:
-        raise click.ClickException(str(e)) from e
+    group = launched_group()
+    settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
+                    pipeline_drafts=pipeline_drafts)
+    m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
+                   draft_vocab_file=draft_vocab_file)
+    if group is not None and group.rank() > 0:
+        return _follow(m, tok, group, dist_timeout, want_mtp, settings)
     name = model or "mlxmtp-demo"
     log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
     if m.active:
@@ -84,7 +91,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     from .app import create_app
 
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
-                     pipeline_drafts=pipeline_drafts,
+                     pipeline_drafts=pipeline_drafts, engine_factory=_engine_factory(group, dist_timeout),
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name)
@@ -93,6 +100,50 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 
     log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
     run_server(app, host=host, port=port, log_level=log_level.lower(), shutdown_timeout=shutdown_timeout)
+
+
+def _load(model, group, settings: dict, **load_options):
+    """(model, tokenizer): the whole model, or this rank's share under mlx.launch."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..models.load import MTPLoadError, load
+
+    try:
+        if group is None:
+            return load(model, **load_options)
+        from ..distributed.load import load_on_rank  # on use, as above
+
+        m, tok, plan = load_on_rank(group, model, {**settings, **load_options}, **load_options)
+        if group.rank() == 0:
+            log.info("distributed: %d ranks, pipeline split, layers per rank %s",
+                     group.size(), [r.layers for r in plan.ranks])
+        return m, tok
+    except MTPLoadError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def _engine_factory(group, dist_timeout: float):
+    """What builds rank 0's engine: the plain engine alone, a DistributedEngine under
+    mlx.launch (whose failure ends the server: EngineBridge.fail_and_exit)."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..engine.batch import BatchGenerator
+
+    if group is None:
+        return BatchGenerator
+    from ..distributed.engine import DistributedEngine  # on use, as above
+
+    return functools.partial(DistributedEngine, group=group, dist_timeout=dist_timeout)
+
+
+def _follow(m, tok, group, dist_timeout: float, want_mtp: bool, settings: dict) -> None:
+    """Ranks > 0 of a distributed server: run rank 0's steps until it stops, then exit."""
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..distributed.engine import DistributedEngine
+    from .app import engine_options
+
+    options = engine_options(m, want_mtp, settings["num_draft"], settings["max_concurrent"],
+                             settings["prefix_cache_mb"], settings["pipeline_drafts"])
+    log.info("rank %d: following rank 0", group.rank())
+    DistributedEngine(m, tok, group=group, dist_timeout=dist_timeout, **options).follow()
 
 
 def _check_api_key(api_key):

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+import time
 from typing import Callable, Dict, Optional, Tuple
 
 from ..engine.batch import BatchGenerator
@@ -95,6 +97,16 @@ class EngineBridge:
         self._wake.set()
         return len(ids)
 
+    def fail_and_exit(self, message: str, exit_code: int = 3) -> None:
+        """The engine cannot go on (a distributed engine lost a rank): end every open
+        request with an error naming the cause, give the streams a moment to send it,
+        and exit non-zero (a supervisor restarts the whole group)."""
+        n = self.abort_all(f"the distributed engine failed: {message}")
+        log.error("distributed engine failed (%s); ended %d open request(s); exiting", message, n)
+        time.sleep(1.0)
+        logging.shutdown()
+        os._exit(exit_code)
+
     @property
     def num_active(self) -> int:
         return self.engine.num_active if self.engine is not None else 0
@@ -117,6 +129,8 @@ class EngineBridge:
             self._start_error = e
             self._ready.set()
             return
+        if hasattr(self.engine, "on_fatal"):  # a distributed engine cannot be rebuilt alone
+            self.engine.on_fatal = self.fail_and_exit
         try:
             self.engine.calibrate(1)  # before serving: the first request does not wait for it
         except Exception:  # noqa: BLE001 - the engine still runs; it calibrates on first use
@@ -125,6 +139,14 @@ class EngineBridge:
         self._run()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            close = getattr(self.engine, "close", None)  # a distributed engine tells its other ranks
+            if close is not None:
+                close()
+
+    def _loop(self) -> None:
         while not self._stop:
             eng = self.engine
             # Clear before checking: a submit after the check sets it again, so no lost wake-up.

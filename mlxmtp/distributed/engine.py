@@ -1,0 +1,156 @@
+"""The engine on every rank of a distributed run: one `BatchGenerator` per rank, in step.
+
+Every rank runs the same engine code on its share of the layers; the forwards inside it
+are collectives (mlx-lm's pipeline: receive the hidden states, run the local layers,
+send them on, all-gather), so the ranks must make exactly the same calls in the same
+order. What could make them differ is shared from rank 0 instead:
+
+* the requests and cancellations (only rank 0 serves HTTP): at the start of each step,
+  one message (channel.py) with everything submitted since the last one;
+* each cycle's depth and the policy's other answers (shared_policy.py);
+* the sizes the prefix cache keeps and evicts by (each rank's own caches hold other layers);
+* start-up calibration and the end of the run, as messages of their own.
+
+Each rank then verifies, accepts and rolls back its own layers from the same logits, so
+a cycle costs one verify pass across the ranks plus two small control collectives. A
+step that raises or stalls past `dist_timeout` is fatal: `on_fatal` ends the run
+(the server fails the requests in flight first); no rank rebuilds alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Callable, List, Optional
+
+from ..engine.batch import BatchGenerator
+from ..engine.request import Event, Request
+from ..engine.scheduler import Inbox
+from .channel import Channel
+from .shared_policy import SharedPolicy
+from .watchdog import Watchdog
+from .wire import request_from_wire, request_to_wire, with_seed
+
+log = logging.getLogger("mlxmtp.distributed")
+
+EXIT_CODE = 3  # a rank ended because the group failed
+HEARTBEAT = 0.5  # seconds an idle rank 0 waits before telling the others it is alive
+
+
+def exit_on_fatal(message: str) -> None:
+    """Default fatal handler: say why on stderr and exit non-zero, at once (a thread stuck
+    inside a collective would keep a normal exit waiting)."""
+    log.error("distributed run failed: %s", message)
+    sys.stderr.write(f"mlxmtp: distributed run failed: {message}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+class DistributedEngine(BatchGenerator):
+    def __init__(self, model, tokenizer, *, group, dist_timeout: float = 30.0,
+                 on_fatal: Optional[Callable[[str], None]] = None, **engine_kwargs):
+        super().__init__(model, tokenizer, **engine_kwargs)
+        self.channel = Channel(group)
+        self.policy = SharedPolicy(self.policy, self.channel)
+        self.prefix_cache.agree = self._agreed_size
+        self.outbox = Inbox()  # rank 0: what submit/cancel handed over since the last step
+        self._arrived = threading.Event()
+        self.on_fatal = on_fatal or exit_on_fatal
+        self.watchdog = Watchdog(dist_timeout, self._fail)
+        self.closed = False
+        self._stepping = False
+
+    @property
+    def leader(self) -> bool:
+        return self.channel.leader
+
+    # ------------------------------------------------------------ rank 0, any thread
+    def submit(self, req: Request) -> int:
+        req.validate(self.vocab_size, self.max_depth)
+        request_to_wire(with_seed(req))  # refuse here what could not be shared
+        self.outbox.put(req)
+        self._arrived.set()
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        self.outbox.cancel(request_id)
+        self._arrived.set()
+
+    @property
+    def has_work(self) -> bool:
+        # Rank 0 keeps stepping while idle: an idle step is the heartbeat the others wait on.
+        return not self.closed
+
+    @property
+    def num_waiting(self) -> int:
+        return super().num_waiting + len(self.outbox)
+
+    def unstarted_request_ids(self):
+        return super().unstarted_request_ids() | {r.id for r in self.outbox.requests()}
+
+    # ------------------------------------------------------------ every rank, engine thread
+    def step(self) -> List[Event]:
+        """One step on every rank: rank 0 shares what arrived (waiting up to HEARTBEAT when
+        there is nothing to do), then every rank runs the same engine step."""
+        if self.leader and not super().has_work and not self.outbox.has_changes:
+            self._arrived.wait(HEARTBEAT)
+        return self._run("a step", self._step) or []
+
+    def calibrate(self, batch_size: int = 1) -> bool:
+        """Outside a step (the server at start-up), rank 0 has every rank calibrate; inside
+        one, every rank is already at the same call."""
+        if self.leader and not self._stepping:
+            return self._run("calibration", lambda: self._exchange({"calibrate": batch_size}))
+        return super().calibrate(batch_size)
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks the run is over (they return from `follow`)."""
+        if self.leader and not self.closed:
+            self._run("closing", lambda: self._exchange({"stop": True}))
+        self.closed = True
+
+    def follow(self) -> None:
+        """Ranks > 0: do what rank 0 says until it closes the run."""
+        while not self.closed:
+            self._run("a step", lambda: self._exchange(None))
+
+    def _step(self) -> List[Event]:
+        self._arrived.clear()
+        new, cancelled = self.outbox.take()
+        return self._exchange({"new": [request_to_wire(r) for r in new], "cancel": sorted(cancelled)}) or []
+
+    def _exchange(self, message: Optional[dict]):
+        """Share rank 0's message and carry it out on this rank."""
+        message = self.channel.share(message)
+        if "stop" in message:
+            self.closed = True
+            return None
+        if "calibrate" in message:
+            return BatchGenerator.calibrate(self, message["calibrate"])
+        for wire in message["new"]:
+            self.inbox.put(request_from_wire(wire))
+        for rid in message["cancel"]:
+            self.inbox.cancel(rid)
+        self._stepping = True
+        try:
+            events = BatchGenerator.step(self)
+        finally:
+            self._stepping = False
+        return events if self.leader else None
+
+    def _agreed_size(self, nbytes: int) -> int:
+        return self.channel.share_ints([nbytes] if self.leader else None, 1)[0]
+
+    def _run(self, what: str, fn):
+        with self.watchdog.watch(what):
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - any failure breaks the lockstep of the ranks
+                log.exception("distributed %s failed", what)
+                self._fail(f"{what} failed on rank {self.channel.rank}: {type(e).__name__}: {e}")
+
+    def _fail(self, message: str) -> None:
+        self.closed = True
+        self.on_fatal(message)

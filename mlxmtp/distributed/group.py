@@ -1,0 +1,63 @@
+"""The process group of a distributed run, and the start-up check that every rank loads
+the same model with the same settings (a rank with another folder would compute other
+hidden states, and nothing else would notice)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from ..checkpoint import mtp_folder, tensor_files
+from .channel import Channel
+
+# What identifies a model folder: its configs and its weight index (or the headers of its
+# weight files when it has no index), and the MTP head's config and header.
+_IDENTITY = ("config.json", "model.safetensors.index.json", f"{mtp_folder.FOLDER}/{mtp_folder.CONFIG}")
+
+
+class SetupMismatchError(RuntimeError):
+    """Ranks started with different model folders or settings."""
+
+
+def launched_group():
+    """The group `mlx.launch` started this process in, or None when run alone."""
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def folder_fingerprint(model_dir: Path) -> bytes:
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    for name in _IDENTITY:
+        if (model_dir / name).exists():
+            h.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
+    headers = [] if (model_dir / "model.safetensors.index.json").exists() else sorted(model_dir.glob("*.safetensors"))
+    head = model_dir / mtp_folder.FOLDER / mtp_folder.WEIGHTS
+    for path in headers + ([head] if head.exists() else []):
+        header, _ = tensor_files.read_header(path)
+        h.update(json.dumps({k: [v["dtype"], v["shape"]] for k, v in header.items()}, sort_keys=True).encode())
+    return h.digest()
+
+
+def _digest(settings: dict) -> bytes:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).digest()
+
+
+def check_same_setup(channel: Channel, model_dir: Path, settings: Optional[dict] = None) -> None:
+    """Raise SetupMismatchError, on every rank alike, unless every rank has the same model
+    folder (by fingerprint) and the same engine settings as rank 0."""
+    mine = folder_fingerprint(model_dir) + _digest(settings or {})
+    everyone = channel.gather_bytes(mine, 64)
+    folders = [r for r, d in enumerate(everyone) if d[:32] != everyone[0][:32]]
+    if folders:
+        raise SetupMismatchError(
+            f"rank(s) {folders} have a different model folder than rank 0 (config.json, safetensors index "
+            "or MTP head differ): every rank must load the same model")
+    options = [r for r, d in enumerate(everyone) if d[32:] != everyone[0][32:]]
+    if options:
+        raise SetupMismatchError(f"rank(s) {options} were started with other engine settings than rank 0: "
+                                 "start every rank with the same command")

@@ -1,0 +1,53 @@
+"""Loading on one rank of a distributed run: check that every rank has the same model and
+settings, plan the split, fetch (from the Hub) and read only this rank's weights."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..checkpoint.split_plan import Plan, make_plan
+from ..models.demo import demo_model_path
+from ..models.load import load, resolve_model_path
+from .channel import Channel
+from .group import check_same_setup
+
+log = logging.getLogger("mlxmtp.distributed")
+
+
+def load_on_rank(group, path_or_hf_id: Optional[str], settings: dict, **load_options) -> Tuple[object, object, Plan]:
+    """(MTPModel with this rank's layers, tokenizer, plan); `load_options` go to models.load."""
+    src = str(path_or_hf_id or demo_model_path())
+    local = Path(src).expanduser().exists()
+    channel = Channel(group)
+    model_dir = resolve_model_path(src, weight_files=[])  # configs only, for a Hub id
+    check_same_setup(channel, model_dir, settings)
+    plan = make_plan(model_dir, group.size())
+    if not local:
+        model_dir = resolve_model_path(src, weight_files=plan.share(group.rank()).files)
+        plan = make_plan(model_dir, group.size())
+    share = plan.share(group.rank())
+    log.info("rank %d of %d: layers %d-%d of %d", group.rank(), group.size(), share.layers[0], share.layers[1] - 1,
+             plan.num_layers)
+    m, tok = load(str(model_dir), pipeline=(group, plan.counts(), local), **load_options)
+    return m, tok, plan
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights this process holds: the main model's (its layers) and the head's."""
+    total = sum(a.nbytes for _, a in tree_flatten(model.base.parameters()))
+    if model.head is not None:
+        total += sum(a.nbytes for _, a in tree_flatten(model.head.parameters()))
+    return total
+
+
+def bytes_per_rank(group, model) -> List[int]:
+    """Every rank's `weight_bytes`, in rank order (a collective: every rank calls it)."""
+    mine = np.zeros(1, np.int64)
+    mine[0] = weight_bytes(model)
+    return [int(v) for v in np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu))]

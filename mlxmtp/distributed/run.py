@@ -1,0 +1,36 @@
+"""`mlxmtp generate` on every rank of a distributed run: rank 0 generates and reports,
+the other ranks follow its steps."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..checkpoint.split_plan import Plan
+from ..engine.generate import GenerationResult, generate
+from .engine import DistributedEngine
+from .load import bytes_per_rank
+
+
+def generate_on_ranks(group, model, tok, ids, *, dist_timeout: float, engine_options: dict,
+                      **generate_options) -> Optional[GenerationResult]:
+    """Rank 0: the result (`generate_options` as engine.generate takes them); other ranks:
+    None, once rank 0 is done."""
+    loaded = bytes_per_rank(group, model)
+    engine = DistributedEngine(model, tok, group=group, dist_timeout=dist_timeout, **engine_options)
+    if not engine.leader:
+        engine.follow()
+        return None
+    try:
+        res = generate(model, tok, ids, engine=engine, **generate_options)
+    finally:
+        engine.close()
+    res.distributed = {"ranks": group.size(), "loaded_bytes": loaded,
+                       "control_messages": engine.channel.messages, "control_bytes": engine.channel.bytes_sent}
+    return res
+
+
+def distributed_stats(plan: Plan, run_info: dict) -> dict:
+    """`stats.distributed` of `generate --json`: the split, and the bytes each rank holds."""
+    return {"ranks": run_info["ranks"], "split": plan.split, "layers": [r.layers for r in plan.ranks],
+            "bytes_per_rank": run_info["loaded_bytes"], "planned_bytes_per_rank": [r.bytes for r in plan.ranks],
+            "control_messages": run_info["control_messages"], "control_bytes": run_info["control_bytes"]}

@@ -1,0 +1,62 @@
+"""Running mlxmtp on 2 ranks on this machine, over loopback with MLX's ring backend:
+through MLX's own launcher (`mlx.launch --backend ring -n 2`), or rank by rank with the
+environment the launcher gives each rank (the fault tests need each rank's own process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+BIN = Path(sys.executable).parent
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlx_launch(args: List[str], timeout: float = 600, ranks: int = 2) -> subprocess.CompletedProcess:
+    """`mlx.launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path)."""
+    cmd = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(ranks), "-p", str(free_port()), "--", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def last_json(stdout: str):
+    """The last line of `stdout` that is a JSON object (rank 0's result)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON result in the output:\n{stdout[-2000:]}")
+
+
+def run_worker(*args: str, timeout: float = 900):
+    """tests/distributed_worker.py on 2 ranks -> rank 0's JSON result."""
+    res = mlx_launch([str(BIN / "python"), str(WORKER), *args], timeout=timeout)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return last_json(res.stdout)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def start_ranks(tmp_path: Path, rank_args: List[List[str]], **popen) -> List[subprocess.Popen]:
+    """One process per rank, each with the environment mlx.launch gives it (MLX_RANK and a
+    ring hostfile on loopback)."""
+    hosts = [[f"127.0.0.1:{free_port()}"] for _ in rank_args]
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps(hosts))
+    procs = []
+    for rank, args in enumerate(rank_args):
+        env = {**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(len(rank_args))}
+        procs.append(subprocess.Popen(args, env=env, **popen))
+    return procs

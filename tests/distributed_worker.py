@@ -1,0 +1,80 @@
+"""Run under `mlx.launch --backend ring -n 2` by tests/test_distributed.py: every rank loads
+its share of MODEL and runs the distributed engine; rank 0 prints one JSON object.
+
+  greedy: for k = 0..4 and adaptive, batch 1 and 4: the tokens of PROMPTS
+  sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
+"""
+
+import argparse
+import json
+
+from mlxmtp.distributed.engine import DistributedEngine
+from mlxmtp.distributed.group import launched_group
+from mlxmtp.distributed.load import load_on_rank
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
+
+
+def run(engine, batches):
+    """Rank 0: the tokens of every request, batch after batch (each submitted at once when
+    the one before has finished); other ranks: None. The engine is closed at the end."""
+    if not engine.leader:
+        engine.follow()
+        return None
+    out = []
+    for requests in batches:
+        for r in requests:
+            engine.submit(r)
+        tokens = {r.id: [] for r in requests}
+        done = set()
+        while len(done) < len(requests):
+            for ev in engine.step():
+                tokens[ev.request_id].extend(ev.token_ids)
+                if ev.finish_reason is not None:
+                    assert ev.finish_reason != "error", ev.error
+                    done.add(ev.request_id)
+        out += [tokens[r.id] for r in requests]
+    engine.close()
+    return out
+
+
+def greedy(group, model, tok, prompts, max_tokens):
+    out = {}
+    for k in [0, 1, 2, 3, 4, None]:
+        for batch in (1, 4):
+            engine = DistributedEngine(model, tok, group=group, num_draft=k, dist_timeout=120)
+            requests = [Request(prompt=p, max_tokens=max_tokens) for p in prompts]
+            batches = [requests[i : i + batch] for i in range(0, len(requests), batch)]
+            out[f"k={'adaptive' if k is None else k}/B={batch}"] = run(engine, batches)
+    return out
+
+
+def sample(group, model, tok, n, seed0, temperature):
+    engine = DistributedEngine(model, tok, group=group, num_draft=2, max_batch=64, dist_timeout=120)
+    prompt = [5, 17, 42, 9, 33, 2]
+    return run(engine, [[Request(prompt=prompt, max_tokens=3, params=SamplingParams(temperature=temperature, seed=s))
+                         for s in range(seed0, seed0 + n)]])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("job", choices=["greedy", "sample"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", default="[]")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--n", type=int, default=0)
+    ap.add_argument("--seed0", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.5)
+    a = ap.parse_args()
+    group = launched_group()
+    model, tok, plan = load_on_rank(group, a.model, {})
+    if a.job == "greedy":
+        out = greedy(group, model, tok, json.loads(a.prompts), a.max_tokens)
+    else:
+        out = sample(group, model, tok, a.n, a.seed0, a.temperature)
+    if group.rank() == 0:
+        print(json.dumps({"result": out, "layers": [r.layers for r in plan.ranks]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
