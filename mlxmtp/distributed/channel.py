@@ -9,6 +9,7 @@ Collectives run on the CPU stream: they are tiny, and a GPU would only add a cop
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -25,14 +26,17 @@ class Channel:
         self.size = group.size()
         self.bytes_sent = 0  # payload bytes shared so far (bench/distributed.py reports them)
         self.messages = 0
+        self.seconds = 0.0  # spent in these collectives, waiting for the other ranks included
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
     def _sum(self, buf: np.ndarray) -> np.ndarray:
-        out = mx.distributed.all_sum(mx.array(buf), group=self.group, stream=mx.cpu)
-        return np.array(out)
+        t = time.perf_counter()
+        out = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group, stream=mx.cpu))
+        self.seconds += time.perf_counter() - t
+        return out
 
     def share_bytes(self, data: Optional[bytes]) -> bytes:
         """Rank 0's `data` on every rank (the others pass None)."""

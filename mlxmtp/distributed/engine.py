@@ -12,7 +12,8 @@ order. What could make them differ is shared from rank 0 instead:
 * start-up calibration and the end of the run, as messages of their own.
 
 Each rank then verifies, accepts and rolls back its own layers from the same logits, so
-a cycle costs one verify pass across the ranks plus two small control collectives. A
+a cycle costs one verify pass across the ranks plus one small control collective (the
+depth; a step's message is skipped when rank 0 had nothing new to share). A
 step that raises or stalls past `dist_timeout` is fatal: `on_fatal` ends the run
 (the server fails the requests in flight first); no rank rebuilds alone.
 """
@@ -53,7 +54,7 @@ class DistributedEngine(BatchGenerator):
                  on_fatal: Optional[Callable[[str], None]] = None, **engine_kwargs):
         super().__init__(model, tokenizer, **engine_kwargs)
         self.channel = Channel(group)
-        self.policy = SharedPolicy(self.policy, self.channel)
+        self.policy = SharedPolicy(self.policy, self.channel, news=lambda: self.outbox.has_changes)
         self.prefix_cache.agree = self._agreed_size
         self.outbox = Inbox()  # rank 0: what submit/cancel handed over since the last step
         self._arrived = threading.Event()
@@ -96,34 +97,48 @@ class DistributedEngine(BatchGenerator):
         there is nothing to do), then every rank runs the same engine step."""
         if self.leader and not super().has_work and not self.outbox.has_changes:
             self._arrived.wait(HEARTBEAT)
-        return self._run("a step", self._step) or []
+        return self._run("a step", self._turn) or []
 
     def calibrate(self, batch_size: int = 1) -> bool:
         """Outside a step (the server at start-up), rank 0 has every rank calibrate; inside
         one, every rank is already at the same call."""
         if self.leader and not self._stepping:
-            return self._run("calibration", lambda: self._exchange({"calibrate": batch_size}))
+            return self._run("calibration", lambda: self._send({"calibrate": batch_size}))
         return super().calibrate(batch_size)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks the run is over (they return from `follow`)."""
         if self.leader and not self.closed:
-            self._run("closing", lambda: self._exchange({"stop": True}))
+            self._run("closing", lambda: self._send({"stop": True}))
         self.closed = True
 
     def follow(self) -> None:
         """Ranks > 0: do what rank 0 says until it closes the run."""
         while not self.closed:
-            self._run("a step", lambda: self._exchange(None))
+            self._run("a step", self._turn)
 
-    def _step(self) -> List[Event]:
-        self._arrived.clear()
-        new, cancelled = self.outbox.take()
-        return self._exchange({"new": [request_to_wire(r) for r in new], "cancel": sorted(cancelled)}) or []
+    def _turn(self):
+        """One step on this rank: rank 0's message carried out, or after a quiet depth
+        choice (shared_policy.py), the step without one."""
+        if self.policy.quiet:
+            self.policy.quiet = False
+            return self._carry_out({"new": [], "cancel": []})
+        message = None
+        if self.leader:
+            self._arrived.clear()
+            new, cancelled = self.outbox.take()
+            message = {"new": [request_to_wire(r) for r in new], "cancel": sorted(cancelled)}
+        return self._carry_out(self.channel.share(message))
 
-    def _exchange(self, message: Optional[dict]):
-        """Share rank 0's message and carry it out on this rank."""
-        message = self.channel.share(message)
+    def _send(self, message: dict):
+        """Rank 0: a message outside the steps, once the other ranks are at a message
+        (a quiet step they are about to take is taken first)."""
+        if self.policy.quiet:
+            self.policy.quiet = False
+            self._carry_out({"new": [], "cancel": []})
+        return self._carry_out(self.channel.share(message))
+
+    def _carry_out(self, message: dict):
         if "stop" in message:
             self.closed = True
             return None

@@ -5,44 +5,65 @@ so left alone each rank would choose its own depth and the ranks' forwards would
 longer match. Here every answer that steers the engine (the depth, whether plain
 decoding is the regime, whether to calibrate) is rank 0's policy's, shared in one small
 collective at the point where every rank asks it; the other ranks' own policies are
-only told what happened.
+only told what happened. A policy's `needs_costs` stays no for a batch size once it said
+no (adaptive.DepthPolicy: calibrated costs are kept), so that answer is shared once.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 from ..engine.policy import Policy
 from .channel import Channel
 
 
 class SharedPolicy(Policy):
-    def __init__(self, inner: Policy, channel: Channel):
+    """`news()` (rank 0): whether requests or cancellations wait to be shared. Its answer
+    travels with each depth, so the next step can skip its message when there is none
+    (`quiet`): in steady decoding a cycle then costs one control collective, not three."""
+
+    def __init__(self, inner: Policy, channel: Channel, news: Callable[[], bool] = lambda: True):
         self.inner = inner
         self.channel = channel
+        self.news = news
         self.max_depth = inner.max_depth
+        self.quiet = False  # rank 0 said at the last depth choice that nothing new waits
+        self._plain: Optional[bool] = None  # plain_regime, shared with the last depth
+        self._costs_known: set = set()  # batch sizes needs_costs said no for (it stays no)
 
     @property
     def why(self) -> str:
         return self.inner.why if self.channel.leader else "chosen by rank 0"
 
-    def _decided(self, value: Optional[int]) -> int:
-        return self.channel.share_ints([value] if self.channel.leader else None, 1)[0]
+    def _decided(self, values: Optional[List[int]], n: int = 1) -> List[int]:
+        return self.channel.share_ints(values if self.channel.leader else None, n)
 
     def choose(self, batch_size: int, limit: Optional[int] = None,
                classes: Optional[Sequence[Hashable]] = None) -> int:
-        k = self.inner.choose(batch_size, limit, classes) if self.channel.leader else None
-        return self._decided(k)
+        mine = None
+        if self.channel.leader:
+            mine = [self.inner.choose(batch_size, limit, classes), int(self.inner.plain_regime()), int(self.news())]
+        k, plain, news = self._decided(mine, 3)
+        self._plain, self.quiet = bool(plain), not news
+        return k
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
         self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds)
 
     def plain_regime(self) -> bool:
-        return bool(self._decided(int(self.inner.plain_regime()) if self.channel.leader else None))
+        if self._plain is not None:  # shared with the depth of the cycle just chosen
+            plain, self._plain = self._plain, None
+            return plain
+        return bool(self._decided([int(self.inner.plain_regime())] if self.channel.leader else None)[0])
 
     def needs_costs(self, batch_size: int) -> bool:
-        return bool(self._decided(int(self.inner.needs_costs(batch_size)) if self.channel.leader else None))
+        if batch_size in self._costs_known:
+            return False
+        needed = bool(self._decided([int(self.inner.needs_costs(batch_size))] if self.channel.leader else None)[0])
+        if not needed:
+            self._costs_known.add(batch_size)
+        return needed
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
         self.inner.seed_costs(batch_size, seconds)

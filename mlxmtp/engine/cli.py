@@ -99,6 +99,7 @@ def _report(res, stats: dict, m, profile: bool, as_json: bool) -> None:
 def _load(model, group, engine_options: dict, **load_options):
     """(model, tokenizer, plan): the whole model, or this rank's share under mlx.launch."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..distributed.group import SetupMismatchError
     from ..models.load import MTPLoadError, load
 
     try:
@@ -107,7 +108,7 @@ def _load(model, group, engine_options: dict, **load_options):
         from ..distributed.load import load_on_rank  # on use, as above
 
         return load_on_rank(group, model, {**engine_options, **load_options}, **load_options)
-    except MTPLoadError as e:
+    except (MTPLoadError, SetupMismatchError) as e:
         raise click.ClickException(str(e)) from e
 
 

@@ -32,7 +32,8 @@ class Policy:
         return False
 
     def needs_costs(self, batch_size: int) -> bool:
-        """Whether the engine should calibrate cycle costs at this batch size now."""
+        """Whether the engine should calibrate cycle costs at this batch size now (once no
+        for a batch size, no for good: a distributed engine asks rank 0 only until then)."""
         return False
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:

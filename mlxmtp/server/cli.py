@@ -105,6 +105,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 def _load(model, group, settings: dict, **load_options):
     """(model, tokenizer): the whole model, or this rank's share under mlx.launch."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..distributed.group import SetupMismatchError
     from ..models.load import MTPLoadError, load
 
     try:
@@ -117,7 +118,7 @@ def _load(model, group, settings: dict, **load_options):
             log.info("distributed: %d ranks, pipeline split, layers per rank %s",
                      group.size(), [r.layers for r in plan.ranks])
         return m, tok
-    except MTPLoadError as e:
+    except (MTPLoadError, SetupMismatchError) as e:
         raise click.ClickException(str(e)) from e
 
 

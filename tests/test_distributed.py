@@ -1,0 +1,195 @@
+"""Distributed runs: 2 ranks on this machine over loopback (MLX's ring backend).
+
+Fast tests check the pieces in one process (plan, wire format, start-up check, shared
+policy on a group of one); the slow ones launch 2 ranks: greedy output identical to
+mlx-lm's for the demo model and two fixture families (one MoE) at every depth and batch
+1 and 4, sampling that passes the chi-square test, the CLI, the server on rank 0, and
+the faults (a rank killed or stopped mid-request, mismatched folders)."""
+
+import json
+import shutil
+
+import pytest
+from dist_helpers import last_json, mlx_launch, run_worker
+from engine_helpers import loaded, prompt_of, reference_greedy
+from test_sampling_exact import chi2_quantile, chi2_two_sample
+
+from mlxmtp.checkpoint.split_plan import layer_split, make_plan
+from mlxmtp.distributed.channel import Channel
+from mlxmtp.distributed.group import check_same_setup, folder_fingerprint
+from mlxmtp.distributed.shared_policy import SharedPolicy
+from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_seed
+from mlxmtp.engine.policy import Policy
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.models.demo import demo_model_path
+from mlxmtp.server.thinking_budget import budget_processor
+from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+DEMO = str(demo_model_path())
+
+
+# ------------------------------------------------------------------ one process
+def test_plan_splits_layers_like_mlx_lm_and_counts_each_ranks_bytes():
+    plan = make_plan(demo_model_path(), 2)
+    assert [r.layers for r in plan.ranks] == [[4, 8], [0, 4]]  # rank 0 runs the last layers
+    assert sum(plan.layer_bytes) + plan.shared_bytes + plan.head_bytes == plan.total_bytes
+    for r in plan.ranks:  # its layers, plus what every rank holds
+        start, end = r.layers
+        assert r.bytes == sum(plan.layer_bytes[start:end]) + plan.shared_bytes + plan.head_bytes
+    assert max(r.bytes for r in plan.ranks) < plan.total_bytes
+    assert layer_split(9, 2) == [5, 4] and layer_split(8, 3) == [3, 3, 2]
+    with pytest.raises(ValueError, match="at most one rank per layer"):
+        make_plan(demo_model_path(), 9)
+
+
+def test_plan_of_a_sharded_checkpoint_reads_only_each_ranks_files(tmp_path):
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_next", num_shards=4, num_hidden_layers=8)
+    plan = make_plan(path, 2)
+    files = [set(r.files) for r in plan.ranks]
+    assert all(files) and files[0] != files[1]
+    assert plan.head_bytes > 0  # the HF checkpoint's mtp.* tensors, on every rank
+
+
+def test_inspect_prints_the_plan(tmp_path):
+    from click.testing import CliRunner
+
+    from mlxmtp.cli import main
+
+    out = CliRunner().invoke(main, ["inspect", DEMO, "--ranks", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    plan = json.loads(out.output)["distributed"]
+    assert plan["split"] == "pipeline" and [r["layers"] for r in plan["ranks"]] == [[4, 8], [0, 4]]
+    assert all(r["bytes"] > 0 for r in plan["ranks"])
+
+
+def test_requests_travel_whole_and_sampled_ones_get_a_seed():
+    budget = budget_processor(7, 3, 11, 12, True)
+    req = with_seed(Request(prompt=[1, 2, 3], max_tokens=9, stop=["x"], num_draft=2, logprobs=1,
+                            params=SamplingParams(temperature=0.7, top_k=5, logit_bias={4: -2.0},
+                                                  logits_processors=[budget])))
+    assert req.params.seed is not None
+    back = request_from_wire(json.loads(json.dumps(request_to_wire(req))))
+    assert (back.id, back.prompt, back.max_tokens, back.stop, back.num_draft, back.logprobs) == \
+        (req.id, req.prompt, 9, ["x"], 2, 1)
+    assert back.params.seed == req.params.seed and back.params.logit_bias == {4: -2.0}
+    assert back.params.top_k == 5 and back.params.logits_processors[0].recipe == budget.recipe
+    greedy = with_seed(Request(prompt=[1]))
+    assert greedy.params.seed is None  # greedy needs none
+
+
+def test_a_processor_without_recipe_is_refused():
+    req = Request(prompt=[1], params=SamplingParams(logits_processors=[lambda ctx, logits: logits]))
+    with pytest.raises(ValueError, match="across machines"):
+        request_to_wire(req)
+
+
+def _group_of_one():
+    import mlx.core as mx
+
+    return mx.distributed.init()
+
+
+def test_channel_and_shared_policy_on_a_group_of_one():
+    channel = Channel(_group_of_one())
+    big = {"new": [{"prompt": list(range(500))}], "cancel": [3]}
+    assert channel.share(big) == big and channel.share({"x": 1}) == {"x": 1}
+    assert channel.share_ints([7, -2], 2) == [7, -2]
+
+    class Scripted(Policy):
+        max_depth = 4
+        why = "scripted"
+
+        def choose(self, batch_size, limit=None, classes=None):
+            return 3
+
+        def needs_costs(self, batch_size):
+            return True
+
+    shared = SharedPolicy(Scripted(), channel)
+    assert shared.choose(1) == 3 and shared.needs_costs(1) and not shared.plain_regime()
+    assert shared.why == "scripted" and shared.max_depth == 4
+
+
+def test_start_up_check_compares_folders_and_settings(tmp_path):
+    a = write_hf_checkpoint(tmp_path / "a", "qwen3_5")
+    b = shutil.copytree(a, tmp_path / "b")
+    assert folder_fingerprint(a) == folder_fingerprint(b)
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["text_config"]["rms_norm_eps"] = 1e-5
+    (b / "config.json").write_text(json.dumps(cfg))
+    assert folder_fingerprint(a) != folder_fingerprint(b)
+    check_same_setup(Channel(_group_of_one()), a, {"num_draft": 2})  # one rank agrees with itself
+
+
+# ------------------------------------------------------------------ 2 ranks
+PROMPTS = [prompt_of(n, seed=n) for n in (5, 23, 61, 140)]
+
+
+def _assert_greedy_matches_mlx_lm(path: str, prompts, max_tokens: int):
+    got = run_worker("greedy", "--model", path, "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens))
+    _, _, ref = loaded(path)
+    want = [reference_greedy(ref, p, max_tokens) for p in prompts]
+    assert len(got["result"]) == 12  # k = 0..4 and adaptive, batch 1 and 4
+    for setting, tokens in got["result"].items():
+        assert tokens == want, setting
+
+
+@pytest.mark.slow
+def test_two_ranks_greedy_equals_mlx_lm_on_the_demo_model():
+    _assert_greedy_matches_mlx_lm(DEMO, PROMPTS, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_6_moe"])
+def test_two_ranks_greedy_equals_mlx_lm_on_fixture_families(family, fixture_model):
+    _assert_greedy_matches_mlx_lm(str(fixture_model(family)["hf"]), PROMPTS[:3], 10)
+
+
+@pytest.mark.slow
+def test_two_ranks_sampling_keeps_the_target_distribution():
+    """MTP sampling on 2 ranks against plain sampling in one process (chi-square per position)."""
+    from test_sampling_exact import PARAMS, N, _sample_tokens
+
+    from mlxmtp.models.load import load
+
+    model, tok = load(DEMO)
+    n = N // 2
+    plain = _sample_tokens(model, tok, enable_mtp=False, rule="exact", n=n, params=PARAMS, seed0=0)
+    got = run_worker("sample", "--model", DEMO, "--n", str(n), "--seed0", str(n),
+                     "--temperature", str(PARAMS["temperature"]))["result"]
+    assert len(got) == n
+    for pos in (1, 2):
+        stat, dof = chi2_two_sample([o[pos] for o in plain], [o[pos] for o in got])
+        assert stat < chi2_quantile(dof), (pos, stat, dof)
+
+
+@pytest.mark.slow
+def test_generate_cli_on_two_ranks_reports_the_split_and_matches_one_process():
+    args = ["generate", "--prompt", "def fib(n):", "--max-tokens", "24", "--json"]
+    res = mlx_launch(["mlxmtp", *args])
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    two = json.loads(lines[0])
+    from click.testing import CliRunner
+
+    from mlxmtp.cli import main
+
+    one = json.loads(CliRunner().invoke(main, args).output.splitlines()[-1])
+    assert two["token_ids"] == one["token_ids"]
+    dist = two["stats"]["distributed"]
+    assert dist["ranks"] == 2 and dist["split"] == "pipeline" and dist["layers"] == [[4, 8], [0, 4]]
+    from mlxmtp.distributed.load import weight_bytes
+    from mlxmtp.models.load import load
+
+    whole = weight_bytes(load(DEMO)[0])
+    plan = make_plan(demo_model_path(), 2)
+    for r, held in zip(plan.ranks, dist["bytes_per_rank"]):  # each rank lacks exactly the others' layers
+        start, end = r.layers
+        assert whole - held == sum(plan.layer_bytes) - sum(plan.layer_bytes[start:end])
+    assert dist["control_messages"] > 0
+
+
+def test_last_json_takes_rank_zeros_line():
+    assert last_json('log\n{"a": 1}\nmore\n') == {"a": 1}
