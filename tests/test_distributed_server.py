@@ -62,7 +62,10 @@ class Ranks:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
-            p.communicate()
+            try:
+                p.communicate(timeout=10)
+            except ValueError:  # output() read it already
+                pass
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, tmp_path_factory):
-    ranks = Ranks(tmp_path_factory.mktemp("hosts"), [model_dir, model_dir], "--dist-timeout", "60")
+    # A pinned depth: a seeded request then draws the same numbers in both servers (the
+    # adaptive depth follows timings, and each depth consumes randomness its own way).
+    ranks = Ranks(tmp_path_factory.mktemp("hosts"), [model_dir, model_dir], "--dist-timeout", "60", "--num-draft", "2")
     try:
         yield ranks.wait_up()
     finally:
@@ -84,7 +89,7 @@ def one_process(model_dir):
     from mlxmtp.models.load import load
 
     model, tok = load(str(model_dir))
-    with ServerThread(create_app(model, tok, model_id=MODEL)) as srv:
+    with ServerThread(create_app(model, tok, model_id=MODEL, num_draft=2)) as srv:
         yield srv
 
 
