@@ -13,6 +13,7 @@ numbers that carry over to two machines are the bytes and counts per cycle.
 
     python bench/distributed.py                    # demo model, 2 ranks on loopback
     python bench/distributed.py --model PATH --max-tokens 64 --markdown
+    python bench/distributed.py --on-paper         # the README's two-Mac-Studio table
 """
 
 from __future__ import annotations
@@ -122,10 +123,18 @@ def launch_two_ranks(args):
     cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2", "--",
            sys.executable, str(here), "--worker", "--model", args.model, "--prompts", str(args.prompts),
            "--max-tokens", str(args.max_tokens)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    if res.returncode != 0:
-        raise SystemExit(f"the 2-rank run failed:\n{res.stderr[-3000:]}")
-    return json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])
+    # mlx.launch polls its stdin to forward it: at end of file that poll spins a core, which
+    # the ranks need. A pipe held open with nothing in it keeps the launcher idle.
+    quiet_in, held = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, stdin=quiet_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate()
+    finally:
+        os.close(quiet_in)
+        os.close(held)
+    if proc.returncode != 0:
+        raise SystemExit(f"the 2-rank run failed:\n{err[-3000:]}")
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
 def report(one, two, markdown):
@@ -150,14 +159,52 @@ def report(one, two, markdown):
           f"{two['hidden'] * two['itemsize']}*T bytes rank to rank, then all-gathers them")
 
 
+# The README's on-paper case: Qwen3.5-397B-A17B at 8 bits on two M3 Ultra Mac Studios.
+PAPER = dict(active_gb=18.0, bandwidth_gbs=819.0, efficiency=0.7, hidden=4096, act_bytes=2,
+             routed_share=7.5 / 17, draft_step=0.075, first_accept=0.85, next_accept=0.8,
+             link_gbs=10.0, latency_us={"JACCL": 10.0, "ring": 100.0}, collectives=3, control_bytes=100,
+             tp_allreduces=120)
+
+
+def on_paper(p=PAPER):
+    """Print the table: per depth k, bytes and link time per cycle, expected tokens per
+    cycle, cycle cost relative to plain decoding, tokens/s of the pipeline split."""
+    step_ms = p["active_gb"] / (p["bandwidth_gbs"] * p["efficiency"]) * 1e3
+    print(f"plain step {step_ms:.1f} ms")
+    print("| k | bytes/cycle | link ms JACCL / ring | tokens/cycle | cost vs plain | tok/s JACCL / ring | speed-up JACCL / ring |")
+    print("|---|---|---|---|---|---|---|")
+    base = {}
+    for k in range(5):
+        T = k + 1
+        moved = 3 * T * p["hidden"] * p["act_bytes"] + p["control_bytes"]
+        link = {n: p["collectives"] * us / 1e3 + moved / (p["link_gbs"] * 1e9) * 1e3 for n, us in p["latency_us"].items()}
+        tokens = 1 + sum(p["first_accept"] * p["next_accept"] ** i for i in range(k))
+        cost = 1 + p["routed_share"] * (T - 1) + p["draft_step"] * k
+        rate = {n: tokens / (cost * step_ms + ms) * 1e3 for n, ms in link.items()}
+        base = base or rate
+        print(f"| {k} | {moved / 1024:.0f} KiB | {link['JACCL']:.2f} / {link['ring']:.2f} | {tokens:.2f} | "
+              f"{cost:.2f} | {rate['JACCL']:.0f} / {rate['ring']:.0f} | "
+              f"{rate['JACCL'] / base['JACCL']:.2f}x / {rate['ring'] / base['ring']:.2f}x |")
+    for n, us in p["latency_us"].items():
+        comm = p["tp_allreduces"] * us / 1e3
+        plain = 1e3 / (step_ms / 2 + comm)
+        k2 = (1 + p["first_accept"] + p["first_accept"] * p["next_accept"])
+        mtp = k2 / ((1 + 2 * p["routed_share"] + 2 * p["draft_step"]) * step_ms / 2 + comm) * 1e3
+        print(f"tensor parallel, {n}: {comm:.1f} ms of all-reduces per forward; {plain:.0f} tok/s plain, "
+              f"{mtp:.0f} with MTP at k=2")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(demo_model_path()))
     ap.add_argument("--prompts", type=int, default=3, help="counted prompts (one more warms up)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--on-paper", action="store_true", help="print the README's two-machine estimate and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.on_paper:
+        return on_paper()
     if args.worker:
         return worker(args)
     two = launch_two_ranks(args)  # first, while this process has not loaded MLX's threads

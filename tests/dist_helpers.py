@@ -25,7 +25,22 @@ def free_port() -> int:
 def mlx_launch(args: List[str], timeout: float = 600, ranks: int = 2) -> subprocess.CompletedProcess:
     """`mlx.launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path)."""
     cmd = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(ranks), "-p", str(free_port()), "--", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    # The launcher forwards its stdin to the ranks, polling it: at end of file (/dev/null, a
+    # closed pipe) that poll spins a core. A pipe held open with nothing in it keeps it idle.
+    quiet_in, held = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, stdin=quiet_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env())
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise
+    finally:
+        os.close(quiet_in)
+        os.close(held)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def last_json(stdout: str):
