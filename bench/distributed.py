@@ -38,7 +38,7 @@ def decode(engine_for, tok, prompts, max_tokens):
     """-> (tokens/s over the counted requests, cycles, tokens); `engine_for()` a fresh engine."""
     from mlxmtp.engine.generate import generate
 
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    ids = [tok.encode(p) for p in prompts]  # code to continue, as bench/decode.py feeds the demo model
     tokens = seconds = cycles = 0
     for i, p in enumerate(ids):  # the first warms up
         engine = engine_for()
@@ -78,7 +78,7 @@ def worker(args):
 
     group = launched_group()
     model, tok, _ = load_on_rank(group, args.model, {})
-    prompts = HELD_OUT_PROMPTS[: args.prompts + 1]
+    prompts = list(HELD_OUT_PROMPTS.values())[: args.prompts + 1]
     out = {}
     for name, options in SETTINGS.items():
         engines = []
@@ -109,7 +109,7 @@ def one_rank(args):
     from mlxmtp.models.load import load
 
     model, tok = load(args.model)
-    prompts = HELD_OUT_PROMPTS[: args.prompts + 1]
+    prompts = list(HELD_OUT_PROMPTS.values())[: args.prompts + 1]
     out = {}
     for name, options in SETTINGS.items():
         rate, cycles, tokens = decode(lambda options=options: BatchGenerator(model, tok, **options), tok, prompts,
