@@ -264,7 +264,7 @@ def main():
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = [int(d) for d in args.depths.split(",") if d]  # "" : MTP off and adaptive only
     temps = [float(t) for t in args.temps.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -46,8 +46,9 @@ def weight_bytes(model) -> int:
     return total
 
 
-def bytes_per_rank(group, model) -> List[int]:
-    """Every rank's `weight_bytes`, in rank order (a collective: every rank calls it)."""
-    mine = np.zeros(1, np.int64)
-    mine[0] = weight_bytes(model)
-    return [int(v) for v in np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu))]
+def bytes_per_rank(group, model) -> Tuple[List[int], List[int]]:
+    """(every rank's `weight_bytes`, every rank's peak MLX memory so far), in rank order
+    (a collective: every rank calls it)."""
+    mine = np.array([weight_bytes(model), mx.get_peak_memory()], np.int64)
+    both = np.array(mx.distributed.all_gather(mx.array(mine), group=group, stream=mx.cpu)).reshape(-1, 2)
+    return [int(v) for v in both[:, 0]], [int(v) for v in both[:, 1]]
