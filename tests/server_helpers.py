@@ -108,3 +108,23 @@ class Hook:
                 # model's logits as it would on a real model's.
                 req.params.logits_processors.insert(0, forced_processor(len(req.prompt), ids))
                 return
+
+
+def streams_solo_and_together(url: str, model: str, prompts, max_tokens: int):
+    """Each prompt streamed greedily alone, one after another, then all at once ->
+    (solo texts, together texts): batching must not change a request's output."""
+    import asyncio
+
+    import openai
+
+    async def one(client, p):
+        s = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                                 max_tokens=max_tokens, temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        solo = [await one(client, p) for p in prompts]
+        return solo, list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    return asyncio.run(main())

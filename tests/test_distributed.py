@@ -200,3 +200,30 @@ def test_generate_cli_on_two_ranks_reports_the_split_and_matches_one_process():
 
 def test_last_json_takes_rank_zeros_line():
     assert last_json('log\n{"a": 1}\nmore\n') == {"a": 1}
+
+
+def test_a_rank_fetches_only_its_files_from_the_hub(tmp_path, monkeypatch):
+    """A Hub id: the configs first, then this rank's weight files only (huggingface_hub's
+    snapshot_download stood in for by a copy of a local checkpoint, by its patterns)."""
+    import fnmatch
+
+    from mlxmtp.distributed import load as dist_load
+    from mlxmtp.models import load as models_load
+
+    source = write_hf_checkpoint(tmp_path / "hub", "qwen3_next", num_shards=4, num_hidden_layers=8)
+    cache = tmp_path / "cache"
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=()):
+        assert repo_id == "org/model"
+        for f in source.rglob("*"):
+            rel = str(f.relative_to(source))
+            if f.is_file() and any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
+                (cache / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, cache / rel)
+        return str(cache)
+
+    monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)
+    folder, plan = dist_load.fetch_share("org/model", 1, 2)
+    fetched = {f.name for f in folder.glob("*.safetensors")}
+    assert fetched == set(plan.share(1).files) and fetched != {f.name for f in source.glob("*.safetensors")}
+    assert plan.share(1).bytes == make_plan(source, 2).share(1).bytes  # its own share, whole

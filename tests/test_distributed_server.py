@@ -3,7 +3,6 @@ a subset of the server tests, answer for answer; then the faults: a rank killed 
 stopped mid-request fails the request with an error and rank 0 exits non-zero within
 the timeout; ranks with different model folders refuse to start."""
 
-import asyncio
 import json
 import shutil
 import signal
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 from dist_helpers import BIN, free_port, start_ranks
-from server_helpers import ServerThread
+from server_helpers import ServerThread, streams_solo_and_together
 
 from mlxmtp.server.app import create_app
 from mlxmtp.testing.fixtures import write_hf_checkpoint
@@ -134,18 +133,7 @@ def test_two_rank_server_answers_as_one_process(two_ranks, one_process):
 
 def test_two_rank_server_concurrent_streams_equal_solo(two_ranks):
     prompts = [f"Request number {i}: " + "word " * i for i in range(6)]
-
-    async def one(client, p):
-        s = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
-                                                 max_tokens=20, temperature=0, stream=True)
-        return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
-
-    async def main():
-        client = openai.AsyncOpenAI(base_url=two_ranks.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        solo = [await one(client, p) for p in prompts]
-        return solo, await asyncio.gather(*(one(client, p) for p in prompts))
-
-    solo, together = asyncio.run(main())
+    solo, together = streams_solo_and_together(two_ranks.url, MODEL, prompts, 20)
     assert together == solo
 
 

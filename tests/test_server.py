@@ -8,7 +8,6 @@ tokens. Tool-call / thinking tests force its output with a test-only logits proc
 only the token choice is scripted.
 """
 
-import asyncio
 import json
 import threading
 import time
@@ -18,7 +17,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import Hook, ServerThread
+from server_helpers import Hook, ServerThread, streams_solo_and_together
 
 from mlxmtp.server.app import create_app
 
@@ -268,19 +267,7 @@ def test_tool_results_round_trip(oai, ant):
 # ------------------------------------------------------------------ concurrency, disconnects, failures
 def test_eight_concurrent_streams_equal_solo(server):
     prompts = [f"Request number {i}: " + "word " * i for i in range(8)]
-
-    async def one(client, p):
-        s = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
-                                                 max_tokens=24, temperature=0, stream=True)
-        return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
-
-    async def main():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        solo = [await one(client, p) for p in prompts]
-        together = await asyncio.gather(*(one(client, p) for p in prompts))
-        return solo, together
-
-    solo, together = asyncio.run(main())
+    solo, together = streams_solo_and_together(server.url, MODEL, prompts, 24)
     assert together == solo
     assert wait_idle(server.state)
 
