@@ -3,6 +3,8 @@ its share of MODEL and runs the distributed engine; rank 0 prints one JSON objec
 
   greedy: for k = 0..4 and adaptive, batch 1 and 4: the tokens of PROMPTS
   sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
+  disagree: as greedy, but rank 1 pretends to have decoded something else (a machine whose
+            logits differ): the run must stop, not go on
 """
 
 import argparse
@@ -58,7 +60,7 @@ def sample(group, model, tok, n, seed0, temperature):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("job", choices=["greedy", "sample"])
+    ap.add_argument("job", choices=["greedy", "sample", "disagree"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", default="[]")
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -68,7 +70,16 @@ def main():
     a = ap.parse_args()
     group = launched_group()
     model, tok, plan = load_on_rank(group, a.model, {})
-    if a.job == "greedy":
+    if a.job == "disagree" and group.rank() == 1:
+        read = DistributedEngine._read
+
+        def skewed(self, rec):
+            out = read(self, rec)
+            self.digest ^= 1
+            return out
+
+        DistributedEngine._read = skewed
+    if a.job in ("greedy", "disagree"):
         out = greedy(group, model, tok, json.loads(a.prompts), a.max_tokens)
     else:
         out = sample(group, model, tok, a.n, a.seed0, a.temperature)

@@ -10,7 +10,7 @@ import json
 import shutil
 
 import pytest
-from dist_helpers import last_json, mlx_launch, run_worker
+from dist_helpers import BIN, WORKER, last_json, mlx_launch, run_worker
 from engine_helpers import loaded, prompt_of, reference_greedy
 from test_sampling_exact import chi2_quantile, chi2_two_sample
 
@@ -27,6 +27,7 @@ from mlxmtp.server.thinking_budget import budget_processor
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 DEMO = str(demo_model_path())
+WORKER_PYTHON = BIN / "python"
 
 
 # ------------------------------------------------------------------ one process
@@ -144,6 +145,15 @@ def test_two_ranks_greedy_equals_mlx_lm_on_the_demo_model():
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_6_moe"])
 def test_two_ranks_greedy_equals_mlx_lm_on_fixture_families(family, fixture_model):
     _assert_greedy_matches_mlx_lm(str(fixture_model(family)["hf"]), PROMPTS[:3], 10)
+
+
+@pytest.mark.slow
+def test_ranks_that_decode_differently_stop_the_run():
+    res = mlx_launch([str(WORKER_PYTHON), str(WORKER), "disagree", "--model", DEMO,
+                      "--prompts", json.dumps(PROMPTS[:1]), "--max-tokens", "8"], timeout=300)
+    # mlx.launch exits 0 whatever its ranks did: rank 0 printing no result is the failure.
+    assert not [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert "rank 1 decoded other tokens than rank 0" in res.stderr
 
 
 @pytest.mark.slow

@@ -20,10 +20,12 @@ step that raises or stalls past `dist_timeout` is fatal: `on_fatal` ends the run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import threading
+import zlib
 from typing import Callable, List, Optional
 
 from ..engine.batch import BatchGenerator
@@ -54,7 +56,9 @@ class DistributedEngine(BatchGenerator):
                  on_fatal: Optional[Callable[[str], None]] = None, **engine_kwargs):
         super().__init__(model, tokenizer, **engine_kwargs)
         self.channel = Channel(group)
-        self.policy = SharedPolicy(self.policy, self.channel, news=lambda: self.outbox.has_changes)
+        self.policy = SharedPolicy(self.policy, self.channel, news=lambda: self.outbox.has_changes,
+                                   digest=lambda: self.digest, check=self._check_digest)
+        self.digest = 0  # of every cycle's results so far: the ranks compare theirs (_read)
         self.prefix_cache.agree = self._agreed_size
         self.outbox = Inbox()  # rank 0: what submit/cancel handed over since the last step
         self._arrived = threading.Event()
@@ -128,7 +132,7 @@ class DistributedEngine(BatchGenerator):
             self._arrived.clear()
             new, cancelled = self.outbox.take()
             message = {"new": [request_to_wire(r) for r in new], "cancel": sorted(cancelled)}
-        return self._carry_out(self.channel.share(message))
+        return self._carry_out(self._share(message))
 
     def _send(self, message: dict):
         """Rank 0: a message outside the steps, once the other ranks are at a message
@@ -136,7 +140,15 @@ class DistributedEngine(BatchGenerator):
         if self.policy.quiet:
             self.policy.quiet = False
             self._carry_out({"new": [], "cancel": []})
-        return self._carry_out(self.channel.share(message))
+        return self._carry_out(self._share(message))
+
+    def _share(self, message: Optional[dict]) -> dict:
+        """Rank 0's message on every rank, with rank 0's digest checked against this rank's."""
+        if self.leader:
+            message = {**message, "digest": self.digest}
+        message = self.channel.share(message)
+        self._check_digest(message["digest"])
+        return message
 
     def _carry_out(self, message: dict):
         if "stop" in message:
@@ -154,6 +166,20 @@ class DistributedEngine(BatchGenerator):
         finally:
             self._stepping = False
         return events if self.leader else None
+
+    def _read(self, rec):
+        """Every rank accepts drafts from its own copy of the same logits, so the ranks must
+        agree bit for bit (ranks of one kind of machine and one MLX do). A digest of each
+        cycle's kept counts and tokens travels with rank 0's next message or depth, and a
+        rank that computed otherwise stops the run instead of decoding garbage."""
+        kept, tokens, tables = super()._read(rec)
+        self.digest = zlib.crc32(json.dumps([kept, tokens]).encode(), self.digest)
+        return kept, tokens, tables
+
+    def _check_digest(self, leaders: int) -> None:
+        if leaders != self.digest:
+            raise RuntimeError(f"rank {self.channel.rank} decoded other tokens than rank 0 (mixed machine kinds "
+                               "or MLX versions compute different logits); every rank must run the same")
 
     def _agreed_size(self, nbytes: int) -> int:
         return self.channel.share_ints([nbytes] if self.leader else None, 1)[0]

@@ -22,10 +22,12 @@ class SharedPolicy(Policy):
     travels with each depth, so the next step can skip its message when there is none
     (`quiet`): in steady decoding a cycle then costs one control collective, not three."""
 
-    def __init__(self, inner: Policy, channel: Channel, news: Callable[[], bool] = lambda: True):
+    def __init__(self, inner: Policy, channel: Channel, news: Callable[[], bool] = lambda: True,
+                 digest: Callable[[], int] = lambda: 0, check: Callable[[int], None] = lambda d: None):
         self.inner = inner
         self.channel = channel
         self.news = news
+        self.digest, self.check = digest, check  # the engine's token digest travels with each depth
         self.max_depth = inner.max_depth
         self.quiet = False  # rank 0 said at the last depth choice that nothing new waits
         self._plain: Optional[bool] = None  # plain_regime, shared with the last depth
@@ -42,8 +44,10 @@ class SharedPolicy(Policy):
                classes: Optional[Sequence[Hashable]] = None) -> int:
         mine = None
         if self.channel.leader:
-            mine = [self.inner.choose(batch_size, limit, classes), int(self.inner.plain_regime()), int(self.news())]
-        k, plain, news = self._decided(mine, 3)
+            mine = [self.inner.choose(batch_size, limit, classes), int(self.inner.plain_regime()), int(self.news()),
+                    self.digest()]
+        k, plain, news, digest = self._decided(mine, 4)
+        self.check(digest)
         self._plain, self.quiet = bool(plain), not news
         return k
 

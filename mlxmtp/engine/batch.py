@@ -266,11 +266,15 @@ class BatchGenerator:
         """How each draft of `rows` is decided (a test overrides it to draft from chosen q)."""
         return draft_picker(rows)
 
+    def _read(self, rec: Cycle):
+        """The cycle's results on the host (a distributed engine checks its ranks agree)."""
+        return cycle.read(rec)
+
     def _finish(self, rec: Cycle, events: List[Event], rolled_back: bool = False) -> None:
         """Read a cycle's results (the one host sync), emit, and roll every state back;
         `rolled_back`: the drafting cycle built on top of it did that on the device (and fed
         the head), only the trims it deferred are left to settle."""
-        kept, tokens, tables = cycle.read(rec)
+        kept, tokens, tables = self._read(rec)
         consumed, finished = emit_cycle(rec.rows, rec.k, kept, tokens, tables, events)
         if rolled_back:
             cycle.settle(rec, self.batch, kept)
