@@ -31,6 +31,9 @@ def load_on_rank(group, path_or_hf_id: Optional[str], settings: dict, **load_opt
     log.info("rank %d of %d: layers %d-%d of %d", group.rank(), group.size(), share.layers[0], share.layers[1] - 1,
              plan.num_layers)
     m, tok = load(str(model_dir), pipeline=(group, plan.counts(), local), **load_options)
+    # Wait here, with no timeout, for every rank to have loaded (one may read its share for
+    # minutes longer): the engine's collectives that follow run under --dist-timeout.
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
     return m, tok, plan
 
 
