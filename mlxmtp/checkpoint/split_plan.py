@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from . import mtp_folder, tensor_files
 
@@ -72,29 +72,26 @@ def _tensors(model_dir: Path) -> Dict[str, tuple]:
     files = json.loads(index.read_text())["weight_map"] if index.exists() else {}
     out = {name: (file, 0) for name, file in files.items()}
     for path in sorted(model_dir.glob("*.safetensors")):
-        header, _ = tensor_files.read_header(path)
-        for name, meta in header.items():
-            start, end = meta["data_offsets"]
-            out[name] = (path.name, end - start)
+        out.update({name: (path.name, nbytes) for name, nbytes in _tensor_bytes(path).items()})
     return out
+
+
+def _tensor_bytes(path: Path) -> Dict[str, int]:
+    """name -> bytes of every tensor of one safetensors file, from its header."""
+    header, _ = tensor_files.read_header(path)
+    return {name: meta["data_offsets"][1] - meta["data_offsets"][0] for name, meta in header.items()}
 
 
 def _head_bytes(model_dir: Path) -> int:
     weights = model_dir / mtp_folder.FOLDER / mtp_folder.WEIGHTS
-    if not weights.exists():
-        return 0
-    header, _ = tensor_files.read_header(weights)
-    return sum(m["data_offsets"][1] - m["data_offsets"][0] for m in header.values())
+    return sum(_tensor_bytes(weights).values()) if weights.exists() else 0
 
 
-def make_plan(model_dir: Path, size: int, split: Optional[List[int]] = None) -> Plan:
-    """The pipeline plan of the folder for `size` ranks (`split`: layers per rank, else even)."""
+def make_plan(model_dir: Path, size: int) -> Plan:
+    """The pipeline plan of the folder for `size` ranks, layers split as evenly as possible."""
     model_dir = Path(model_dir)
     num_layers = _text_config(json.loads((model_dir / "config.json").read_text()))["num_hidden_layers"]
-    split = list(split) if split is not None else layer_split(num_layers, size)
-    if len(split) != size or min(split) < 1 or sum(split) != num_layers:
-        raise ValueError(f"a split must give each of the {size} ranks at least one layer and "
-                         f"{num_layers} in all; got {split}")
+    split = layer_split(num_layers, size)
     layer_bytes = [0] * num_layers
     layer_files: List[set] = [set() for _ in range(num_layers)]
     shared_bytes, head_bytes, shared_files = 0, _head_bytes(model_dir), set()

@@ -5,5 +5,5 @@ and mlx-lm's own pipeline split. Every rank runs the same engine on its share of
 layers (SPMD, as mlx-lm's server does): rank 0 takes the requests and hands each step's
 changes to the others (engine.py), every decision that reads a clock is rank 0's
 (shared_policy.py), and a rank that dies or stalls ends the run within a timeout
-(watchdog.py). plan.py says which layers and files each rank holds; load.py loads them.
+(watchdog.py). load.py loads this rank's share, as checkpoint/split_plan.py plans it.
 """

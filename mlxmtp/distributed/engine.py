@@ -125,21 +125,23 @@ class DistributedEngine(BatchGenerator):
         """One step on this rank: rank 0's message carried out, or after a quiet depth
         choice (shared_policy.py), the step without one."""
         if self.policy.quiet:
-            self.policy.quiet = False
-            return self._carry_out({"new": [], "cancel": []})
-        message = None
+            return self._quiet_step()
+        message, new = None, None
         if self.leader:
             self._arrived.clear()
             new, cancelled = self.outbox.take()
             message = {"new": [request_to_wire(r) for r in new], "cancel": sorted(cancelled)}
-        return self._carry_out(self._share(message))
+        return self._carry_out(self._share(message), new)
+
+    def _quiet_step(self):
+        self.policy.quiet = False
+        return self._carry_out({"new": [], "cancel": []}, [])
 
     def _send(self, message: dict):
         """Rank 0: a message outside the steps, once the other ranks are at a message
         (a quiet step they are about to take is taken first)."""
         if self.policy.quiet:
-            self.policy.quiet = False
-            self._carry_out({"new": [], "cancel": []})
+            self._quiet_step()
         return self._carry_out(self._share(message))
 
     def _share(self, message: Optional[dict]) -> dict:
@@ -150,14 +152,15 @@ class DistributedEngine(BatchGenerator):
         self._check_digest(message["digest"])
         return message
 
-    def _carry_out(self, message: dict):
+    def _carry_out(self, message: dict, own: Optional[List[Request]] = None):
+        """`own`: rank 0's requests themselves, which the message carries as wire dicts."""
         if "stop" in message:
             self.closed = True
             return None
         if "calibrate" in message:
             return BatchGenerator.calibrate(self, message["calibrate"])
-        for wire in message["new"]:
-            self.inbox.put(request_from_wire(wire))
+        for req in own if own is not None else map(request_from_wire, message["new"]):
+            self.inbox.put(req)
         for rid in message["cancel"]:
             self.inbox.cancel(rid)
         self._stepping = True

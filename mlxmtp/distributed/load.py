@@ -24,9 +24,9 @@ def load_on_rank(group, path_or_hf_id: Optional[str], settings: dict, **load_opt
     """(MTPModel with this rank's layers, tokenizer, plan); `load_options` go to models.load."""
     src = str(path_or_hf_id or demo_model_path())
     local = Path(src).expanduser().exists()
-    model_dir = resolve_model_path(src, weight_files=[])  # configs only, for a Hub id
-    check_same_setup(Channel(group), model_dir, settings)
-    model_dir, plan = fetch_share(src, group.rank(), group.size())
+    config_dir = resolve_model_path(src, weight_files=[])  # configs only, for a Hub id
+    check_same_setup(Channel(group), config_dir, settings)
+    model_dir, plan = fetch_share(src, config_dir, group.rank(), group.size())
     share = plan.share(group.rank())
     log.info("rank %d of %d: layers %d-%d of %d", group.rank(), group.size(), share.layers[0], share.layers[1] - 1,
              plan.num_layers)
@@ -37,14 +37,13 @@ def load_on_rank(group, path_or_hf_id: Optional[str], settings: dict, **load_opt
     return m, tok, plan
 
 
-def fetch_share(src: str, rank: int, size: int) -> Tuple[Path, Plan]:
+def fetch_share(src: str, config_dir: Path, rank: int, size: int) -> Tuple[Path, Plan]:
     """(folder, plan) with this rank's weight files in it: a local folder as it is; from
-    the Hub, the configs first (the plan reads the weight index), then only the files of
-    this rank's layers and of what every rank holds."""
-    model_dir = resolve_model_path(src, weight_files=[])
-    plan = make_plan(model_dir, size)
+    the Hub (`config_dir`: its configs, fetched already; the plan reads the weight index),
+    only the files of this rank's layers and of what every rank holds."""
+    plan = make_plan(config_dir, size)
     if Path(src).expanduser().exists():
-        return model_dir, plan
+        return config_dir, plan
     model_dir = resolve_model_path(src, weight_files=plan.share(rank).files)
     return model_dir, make_plan(model_dir, size)
 

@@ -11,10 +11,12 @@ from .engine import DistributedEngine
 from .load import bytes_per_rank
 
 
-def generate_on_ranks(group, model, tok, ids, *, dist_timeout: float, engine_options: dict,
+def generate_on_ranks(group, plan: Plan, model, tok, ids, *, dist_timeout: float, engine_options: dict,
                       **generate_options) -> Optional[GenerationResult]:
-    """Rank 0: the result (`generate_options` as engine.generate takes them); other ranks:
-    None, once rank 0 is done."""
+    """Rank 0: the result (`generate_options` as engine.generate takes them), with
+    `distributed`, what `generate --json` reports as `stats.distributed`: the split, the
+    bytes each rank holds and its peak memory after loading, the control messages. Other
+    ranks: None, once rank 0 is done."""
     loaded, peaks = bytes_per_rank(group, model)  # peaks: after loading, before decoding
     engine = DistributedEngine(model, tok, group=group, dist_timeout=dist_timeout, **engine_options)
     if not engine.leader:
@@ -24,14 +26,8 @@ def generate_on_ranks(group, model, tok, ids, *, dist_timeout: float, engine_opt
         res = generate(model, tok, ids, engine=engine, **generate_options)
     finally:
         engine.close()
-    res.distributed = {"ranks": group.size(), "loaded_bytes": loaded, "peak_bytes": peaks,
-                       "control_messages": engine.channel.messages, "control_bytes": engine.channel.bytes_sent}
+    res.distributed = {"ranks": group.size(), "split": plan.split, "layers": [r.layers for r in plan.ranks],
+                       "bytes_per_rank": loaded, "planned_bytes_per_rank": [r.bytes for r in plan.ranks],
+                       "load_peak_bytes_per_rank": peaks, "control_messages": engine.channel.messages,
+                       "control_bytes": engine.channel.bytes_sent}
     return res
-
-
-def distributed_stats(plan: Plan, run_info: dict) -> dict:
-    """`stats.distributed` of `generate --json`: the split, and the bytes each rank holds."""
-    return {"ranks": run_info["ranks"], "split": plan.split, "layers": [r.layers for r in plan.ranks],
-            "bytes_per_rank": run_info["loaded_bytes"], "planned_bytes_per_rank": [r.bytes for r in plan.ranks],
-            "load_peak_bytes_per_rank": run_info["peak_bytes"],
-            "control_messages": run_info["control_messages"], "control_bytes": run_info["control_bytes"]}

@@ -61,16 +61,14 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         raise click.BadParameter(str(e)) from e
     engine_options["enable_mtp"] = enable_mtp and m.active
     t0 = time.perf_counter()
-    res = _run(m, tok, ids, group, dist_timeout, engine_options, max_tokens=max_tokens, params=params)
+    res = _run(m, tok, ids, group, plan, dist_timeout, engine_options, max_tokens=max_tokens, params=params)
     if res is None:
         return  # a rank other than 0: rank 0 reports
     stats = res.stats.as_dict()
     stats["wall_seconds"] = time.perf_counter() - t0
     stats["mtp_active"] = bool(enable_mtp and m.active)
     if group is not None:
-        from ..distributed.run import distributed_stats  # on use, as above
-
-        stats["distributed"] = distributed_stats(plan, res.distributed)
+        stats["distributed"] = res.distributed
     _report(res, stats, m, profile, as_json)
 
 
@@ -112,7 +110,7 @@ def _load(model, group, engine_options: dict, **load_options):
         raise click.ClickException(str(e)) from e
 
 
-def _run(m, tok, ids, group, dist_timeout: float, engine_options: dict, **generate_options):
+def _run(m, tok, ids, group, plan, dist_timeout: float, engine_options: dict, **generate_options):
     """The result: alone, or rank 0 of a distributed run; None on the other ranks."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .generate import generate as run
@@ -121,5 +119,5 @@ def _run(m, tok, ids, group, dist_timeout: float, engine_options: dict, **genera
         return run(m, tok, ids, **engine_options, **generate_options)
     from ..distributed.run import generate_on_ranks  # on use, as above
 
-    return generate_on_ranks(group, m, tok, ids, dist_timeout=dist_timeout, engine_options=engine_options,
+    return generate_on_ranks(group, plan, m, tok, ids, dist_timeout=dist_timeout, engine_options=engine_options,
                              **generate_options)

@@ -24,9 +24,3 @@ def local_layers(backbone: nn.Module) -> List[nn.Module]:
     """The layers this process runs: all of them, or its share of a pipeline split."""
     return list(getattr(backbone, "pipeline_layers", backbone.layers))
 
-
-def layer_range(backbone: nn.Module) -> tuple[int, int]:
-    """[start, end) of this process's layers in the whole model's numbering."""
-    start = getattr(backbone, "start_idx", 0)
-    end = getattr(backbone, "end_idx", None)
-    return start, len(backbone.layers) if end is None else end

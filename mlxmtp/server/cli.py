@@ -76,7 +76,10 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
                    draft_vocab_file=draft_vocab_file)
     if group is not None and group.rank() > 0:
-        return _follow(m, tok, group, dist_timeout, want_mtp, settings)
+        from .app import engine_options  # on use, as above
+
+        return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, num_draft, max_concurrent,
+                                                                   prefix_cache_mb, pipeline_drafts))
     name = model or "mlxmtp-demo"
     log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
     if m.active:
@@ -135,14 +138,12 @@ def _engine_factory(group, dist_timeout: float):
     return functools.partial(DistributedEngine, group=group, dist_timeout=dist_timeout)
 
 
-def _follow(m, tok, group, dist_timeout: float, want_mtp: bool, settings: dict) -> None:
-    """Ranks > 0 of a distributed server: run rank 0's steps until it stops, then exit."""
+def _follow(m, tok, group, dist_timeout: float, options: dict) -> None:
+    """Ranks > 0 of a distributed server: run rank 0's steps (engine `options` as create_app
+    builds rank 0's) until it stops, then exit."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.engine import DistributedEngine
-    from .app import engine_options
 
-    options = engine_options(m, want_mtp, settings["num_draft"], settings["max_concurrent"],
-                             settings["prefix_cache_mb"], settings["pipeline_drafts"])
     log.info("rank %d: following rank 0", group.rank())
     DistributedEngine(m, tok, group=group, dist_timeout=dist_timeout, **options).follow()
 

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional, Tuple
 
+from ..distributed.engine import EXIT_CODE
 from ..engine.batch import BatchGenerator
 from ..engine.request import Event, Request
 
@@ -97,7 +98,7 @@ class EngineBridge:
         self._wake.set()
         return len(ids)
 
-    def fail_and_exit(self, message: str, exit_code: int = 3) -> None:
+    def fail_and_exit(self, message: str) -> None:
         """The engine cannot go on (a distributed engine lost a rank): end every open
         request with an error naming the cause, give the streams a moment to send it,
         and exit non-zero (a supervisor restarts the whole group)."""
@@ -105,7 +106,7 @@ class EngineBridge:
         log.error("distributed engine failed (%s); ended %d open request(s); exiting", message, n)
         time.sleep(1.0)
         logging.shutdown()
-        os._exit(exit_code)
+        os._exit(EXIT_CODE)
 
     @property
     def num_active(self) -> int:
