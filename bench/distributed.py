@@ -118,23 +118,35 @@ def one_rank(args):
     return out
 
 
+def launch(cmd, timeout=None, env=None) -> subprocess.CompletedProcess:
+    """Run an `mlx.launch` command line, capturing its output. mlx.launch polls its stdin to
+    forward it: at end of file (/dev/null, a closed pipe) that poll spins a core, which the
+    ranks need. A pipe held open with nothing in it keeps the launcher idle."""
+    quiet_in, held = os.pipe()
+    try:
+        proc = subprocess.Popen(cmd, stdin=quiet_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    finally:
+        os.close(quiet_in)
+        os.close(held)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def launch_two_ranks(args):
     here = Path(__file__).resolve()
     cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2", "--",
            sys.executable, str(here), "--worker", "--model", args.model, "--prompts", str(args.prompts),
            "--max-tokens", str(args.max_tokens)]
-    # mlx.launch polls its stdin to forward it: at end of file that poll spins a core, which
-    # the ranks need. A pipe held open with nothing in it keeps the launcher idle.
-    quiet_in, held = os.pipe()
-    try:
-        proc = subprocess.Popen(cmd, stdin=quiet_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = proc.communicate()
-    finally:
-        os.close(quiet_in)
-        os.close(held)
-    if proc.returncode != 0:
-        raise SystemExit(f"the 2-rank run failed:\n{err[-3000:]}")
-    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    res = launch(cmd)
+    if res.returncode != 0:
+        raise SystemExit(f"the 2-rank run failed:\n{res.stderr[-3000:]}")
+    return json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def report(one, two, markdown):

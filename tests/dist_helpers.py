@@ -4,43 +4,32 @@ environment the launcher gives each rank (the fault tests need each rank's own p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import List
 
+from server_helpers import BENCH, free_port
+
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mlx_launch(args: List[str], timeout: float = 600, ranks: int = 2) -> subprocess.CompletedProcess:
-    """`mlx.launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path)."""
+    """`mlx.launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path),
+    run by bench/distributed.py's `launch` (which keeps the launcher from spinning)."""
     cmd = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(ranks), "-p", str(free_port()), "--", *args]
-    # The launcher forwards its stdin to the ranks, polling it: at end of file (/dev/null, a
-    # closed pipe) that poll spins a core. A pipe held open with nothing in it keeps it idle.
-    quiet_in, held = os.pipe()
-    try:
-        proc = subprocess.Popen(cmd, stdin=quiet_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env())
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            raise
-    finally:
-        os.close(quiet_in)
-        os.close(held)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return _bench_distributed().launch(cmd, timeout=timeout, env=_env())
+
+
+def _bench_distributed():
+    spec = importlib.util.spec_from_file_location("bench_distributed", BENCH / "distributed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def last_json(stdout: str):

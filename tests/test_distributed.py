@@ -233,7 +233,9 @@ def test_a_rank_fetches_only_its_files_from_the_hub(tmp_path, monkeypatch):
         return str(cache)
 
     monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)
-    folder, plan = dist_load.fetch_share("org/model", 1, 2)
+    configs = models_load.resolve_model_path("org/model", weight_files=[])
+    assert not list(configs.glob("*.safetensors"))  # the configs come first, alone
+    folder, plan = dist_load.fetch_share("org/model", configs, 1, 2)
     fetched = {f.name for f in folder.glob("*.safetensors")}
     assert fetched == set(plan.share(1).files) and fetched != {f.name for f in source.glob("*.safetensors")}
     assert plan.share(1).bytes == make_plan(source, 2).share(1).bytes  # its own share, whole
