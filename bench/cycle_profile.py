@@ -10,6 +10,7 @@ first only), and the host/device split of single forwards of T = 1..5 tokens.
 
     python bench/cycle_profile.py                 # demo model
     python bench/cycle_profile.py --model PATH --max-tokens 100
+    python bench/cycle_profile.py --compile-steps  # the head's steps and the accept step compiled
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def instrument(times):
     return undo
 
 
-def profile_depth(model, tok, prompt, k, max_tokens):
+def profile_depth(model, tok, prompt, k, max_tokens, compile_steps=False):
     """One request at depth k -> {part: ms per cycle}, tokens per cycle, tok/s."""
     times = {p: 0.0 for p in PARTS if p != "other"}
-    engine = BatchGenerator(model, tok, enable_mtp=True, num_draft=k, profile=True)
+    engine = BatchGenerator(model, tok, enable_mtp=True, num_draft=k, profile=True, compile_steps=compile_steps)
     undo = instrument(times)
     try:
         t = time.perf_counter()
@@ -98,14 +99,14 @@ def host_device_split(model, sizes=(1, 2, 3, 4, 5), context=128, reps=20):
     return out
 
 
-def new_lengths(model, tok, k, lengths, max_tokens):
+def new_lengths(model, tok, k, lengths, max_tokens, compile_steps=False):
     """tok/s of the first and the second run of prompts of never-seen lengths."""
     base = tok.encode(" ".join(HELD_OUT_PROMPTS.values()) * 2)
     rows = []
     for n in lengths:
         prompt = base[:n]
-        first = generate(model, tok, prompt, max_tokens=max_tokens, num_draft=k).stats
-        second = generate(model, tok, prompt, max_tokens=max_tokens, num_draft=k).stats
+        first = generate(model, tok, prompt, max_tokens=max_tokens, num_draft=k, compile_steps=compile_steps).stats
+        second = generate(model, tok, prompt, max_tokens=max_tokens, num_draft=k, compile_steps=compile_steps).stats
         rows.append((n, first.decode_tokens / first.decode_seconds, second.decode_tokens / second.decode_seconds))
     return rows
 
@@ -124,20 +125,23 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--depths", default="0,1,2,3,4")
+    ap.add_argument("--compile-steps", action="store_true")
     args = ap.parse_args()
+    compiled = args.compile_steps
     path = args.model or str(demo_model_path())
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompt = tok.encode(next(iter(HELD_OUT_PROMPTS.values())))
     depths = [int(d) for d in args.depths.split(",")]
     for k in depths:  # warm-up
-        profile_depth(model, tok, prompt, k, 20)
+        profile_depth(model, tok, prompt, k, 20, compiled)
     mlx_lm_speed(ref, tok, prompt, 20)
-    print(f"device: {mx.default_device()}   mlx-lm: {mlx_lm_speed(ref, tok, prompt, args.max_tokens):.1f} tok/s")
+    print(f"device: {mx.default_device()}   mlx-lm: {mlx_lm_speed(ref, tok, prompt, args.max_tokens):.1f} tok/s"
+          + ("   (compile_steps)" if compiled else ""))
     print("| k | " + " | ".join(PARTS) + " | ms/cycle | tok/cycle | ms/token | tok/s |")
     print("|---" * (len(PARTS) + 5) + "|")
     for k in depths:
-        per, tpc, tps = profile_depth(model, tok, prompt, k, args.max_tokens)
+        per, tpc, tps = profile_depth(model, tok, prompt, k, args.max_tokens, compiled)
         total = sum(per.values())
         print(f"| {k} | " + " | ".join(f"{per[p]:.2f}" for p in PARTS)
               + f" | {total:.2f} | {tpc:.2f} | {total / tpc:.2f} | {tps:.1f} |")
@@ -146,7 +150,7 @@ def main():
         print(f"  T={T}: build {b:.2f} ms, evaluate {r:.2f} ms")
     print("\nfirst vs second run of never-seen prompt lengths (tok/s)")
     for k in [d for d in depths if d][:2]:
-        for n, a, b in new_lengths(model, tok, k, (37, 151, 389), 40):
+        for n, a, b in new_lengths(model, tok, k, (37, 151, 389), 40, compiled):
             print(f"  k={k} len={n}: first {a:.1f}, second {b:.1f} ({a / b:.2f}x)")
 
 

@@ -93,11 +93,12 @@ def mlx_lm_tokens(ref, tok, prompt, n, temp, seed):
     yield None
 
 
-def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out):
-    """mlxmtp on the engine the server runs (k: 0 = MTP off, a pinned depth, or "adaptive"):
-    returns (generator of tokens produced per step and then None, the engine); the
-    request's stats land in out["stats"]."""
-    engine = BatchGenerator(model, tok, enable_mtp=k != 0, num_draft=None if k in (0, "adaptive") else k)
+def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out, options=None):
+    """mlxmtp on the engine the server runs (k: 0 = MTP off, a pinned depth, or "adaptive";
+    `options`: more engine options): returns (generator of tokens produced per step and
+    then None, the engine); the request's stats land in out["stats"]."""
+    engine = BatchGenerator(model, tok, enable_mtp=k != 0, num_draft=None if k in (0, "adaptive") else k,
+                            **(options or {}))
 
     def tokens():
         for ev in stream_generate(model, tok, prompt, max_tokens=n, engine=engine,
@@ -156,12 +157,19 @@ def interleaved(sides, chunk=16):
     return [dict(st, tps=st["tokens"] / max(st["seconds"], 1e-9)) for st in state]
 
 
-def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16):
+def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16,
+                compiled=False, shape_stable=None):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompts = [tok.encode(p) for p in PROMPTS]
-    settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + [(f"mlxmtp k={k}", k) for k in depths] + [
-        ("mlxmtp adaptive", "adaptive")]
+    drafting = [(f"mlxmtp k={k}", k) for k in depths] + [("mlxmtp adaptive", "adaptive")]
+    # `compiled`: each drafting setting also with compile_steps, in the same rounds.
+    twins = [(f"{label}, compiled", k) for label, k in drafting] if compiled else []
+    options = {label: {"compile_steps": True} for label, _ in twins}
+    if shape_stable is not None:  # else the backend's default (on for GPUs)
+        options = {label: {**options.get(label, {}), "shape_stable": shape_stable}
+                   for label, _ in drafting + twins + [("mlxmtp MTP off", 0)]}
+    settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + drafting + twins
     reps = 5 if quantized else 20
     # by depth k: a verify of k+1 tokens (adaptive may use any depth)
     cost = {T - 1: c for T, c in forward_costs(model, range(2, 6), reps=reps).items()}
@@ -173,7 +181,7 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
         for label, k in settings:
             mx.reset_peak_memory()
             gen = (mlx_lm_tokens(ref, tok, prompts[0], max_tokens, temp, 0) if k is None
-                   else mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {})[0])
+                   else mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {}, options.get(label))[0])
             for _ in gen:
                 pass
             peak[label] = mx.get_peak_memory()
@@ -189,7 +197,7 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
             # the settings in reverse order.
             for label, k in (ours if r % 2 == 0 else ours[::-1]):
                 out = {}
-                mine = mlxmtp_tokens(model, tok, prompt, max_tokens, temp, r, k, out)
+                mine = mlxmtp_tokens(model, tok, prompt, max_tokens, temp, r, k, out, options.get(label))
                 theirs = (mlx_lm_tokens(ref, tok, prompt, max_tokens, temp, r), None)
                 res, base = interleaved([mine, theirs], chunk=chunk)
                 results[label].append(dict(res, stats=out["stats"]))
@@ -262,6 +270,10 @@ def main():
     ap.add_argument("--chunk-quantized", type=int, default=4,
                     help="the same for quantized models: ~1 s turns there, like ~0.3 s on the demo")
     ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also run each drafting setting with compile_steps (the head's steps and the accept step compiled)")
+    ap.add_argument("--shape-stable", action="store_true",
+                    help="shape-stable caches on every mlxmtp engine (the GPU default) on any backend")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",") if d]  # "" : MTP off and adaptive only
@@ -281,7 +293,8 @@ def main():
             n = args.max_tokens_quantized if quantized else args.max_tokens
             rounds = args.rounds_quantized if quantized else args.rounds
             chunk = args.chunk_quantized if quantized else args.chunk
-            bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized, chunk)
+            bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized, chunk, args.compiled,
+                        args.shape_stable or None)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@
 #   bash scripts/gpu_check.sh stage2 profile decode tests vocab   # second transfer: unpack, run
 #
 # Checks: profile (bench/cycle_profile.py), greedy (bench/decode.py at temperature 0),
-# decode (temperatures 0 and 0.6), tests (the exactness tests), vocab (bench/draft_vocab.py).
+# decode (temperatures 0 and 0.6), tests (the exactness tests), vocab (bench/draft_vocab.py),
+# compiled (greedy, depths 2 and 3 with and without compile_steps, side by side, and the
+# cycle profile with compile_steps), verify (bench/verify_forward.py: the verify forward
+# against mlx-lm's own T-token forward).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 ROUNDS=${ROUNDS:-3}
@@ -41,6 +44,11 @@ for check in "$@"; do
         tests) MLX_ENABLE_TF32=0 timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" \
                    tests/test_pipelined_drafting.py tests/test_engine_exact.py tests/test_engine_rollback.py \
                    tests/test_shape_stability.py tests/test_isolation.py 2>&1 | tee "$OUT/tests.txt" ;;
+        compiled) timeout 200 python3 bench/decode.py --models demo --temps 0 --depths 2,3 --compiled \
+                      --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode_compiled.md"
+                  timeout 80 python3 bench/cycle_profile.py --compile-steps --depths 0,2,3 2>&1 \
+                      | tee "$OUT/profile_compiled.md" ;;
+        verify) timeout 60 python3 bench/verify_forward.py 2>&1 | tee "$OUT/verify_forward.md" ;;
         vocab) timeout 60 python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md" ;;
         *) echo "unknown check: $check" ;;
     esac

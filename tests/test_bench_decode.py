@@ -1,4 +1,5 @@
-"""bench/decode.py: the interleaved timing it reports, and one tiny end-to-end run."""
+"""bench/decode.py: the interleaved timing it reports, and one tiny end-to-end run; and a
+tiny run of bench/verify_forward.py."""
 
 import importlib.util
 import sys
@@ -10,16 +11,20 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.fixture(scope="module")
-def decode():
+def _bench_module(name):
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("bench_decode", BENCH / "decode.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        yield mod
+        return mod
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return _bench_module("decode")
 
 
 class _Clock:
@@ -56,11 +61,28 @@ def test_interleaved_times_each_side_on_its_own_turns(decode):
 @pytest.mark.slow
 def test_benchmark_runs_end_to_end_on_the_demo_model(decode, capsys):
     path = str(decode.demo_model_path())
-    decode.bench_model("demo", path, temps=[0.0], depths=[1], rounds=1, max_tokens=12, markdown=True)
+    decode.bench_model("demo", path, temps=[0.0], depths=[1], rounds=1, max_tokens=12, markdown=True,
+                       compiled=True, shape_stable=True)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ml")]
     assert [r.split(" | ")[0].split(" (")[0] for r in rows] == [
-        "| mlx-lm generate", "| mlxmtp MTP off", "| mlxmtp k=1", "| mlxmtp adaptive"]
-    assert "(depths used: " in rows[-1]
+        "| mlx-lm generate", "| mlxmtp MTP off", "| mlxmtp k=1", "| mlxmtp adaptive", "| mlxmtp k=1, compiled",
+        "| mlxmtp adaptive, compiled"]
+    assert "(depths used: " in rows[3] and "(depths used: " in rows[-1]
     k1 = rows[2].split(" | ")
     assert float(k1[2].rstrip("x")) > 0 and 0.0 <= float(k1[4]) <= 1.0  # speedup, acceptance
+
+
+def test_verify_forward_bench_times_both_forwards(capsys):
+    """Both sides decode the same context: the engine's verify forward (recording for
+    rollback) and mlx-lm's own forward; the table has a ratio per T for both cache modes."""
+    vf = _bench_module("verify_forward")
+    from mlxmtp.models.load import load
+
+    model, _ = load(str(vf.demo_model_path()))
+    vf.report(model, context=40, reps=1)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| s")]
+    assert [r.split(" | ")[0] for r in rows] == ["| sliced", "| shape-stable"]
+    for r in rows:
+        ratios = [float(x.rstrip("x ")) for x in r.strip("| ").split(" | ")[1:]]
+        assert len(ratios) == 5 and all(0.2 < x < 5 for x in ratios), r

@@ -31,8 +31,9 @@ def test_generate_json_matches_mlx_lm(fixture_model):
     assert out["finish_reason"] == "length" and out["stats"]["drafted"] > 0
 
 
-@pytest.mark.parametrize("flags", [["--num-draft", "3", "--pipeline-drafts"], ["--pipeline-drafts"]])
-def test_generate_with_pipelined_drafts_matches_mlx_lm(fixture_model, flags):
+@pytest.mark.parametrize("flags", [["--num-draft", "3", "--pipeline-drafts"], ["--pipeline-drafts"],
+                                   ["--num-draft", "3", "--compile-steps"]])
+def test_generate_with_experimental_cycles_matches_mlx_lm(fixture_model, flags):
     path = str(fixture_model("qwen3_5")["hf"])
     res = CliRunner().invoke(cli, ["generate", "--model", path, "--prompt", "def g(y):", "--no-chat-template",
                                    "--max-tokens", "30", "--json", *flags])

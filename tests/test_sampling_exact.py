@@ -106,9 +106,9 @@ class OracleDraftEngine(BatchGenerator):
         return pick
 
 
-def _sample_tokens(model, tok, *, enable_mtp, rule, n, params, seed0, pipelined=False):
+def _sample_tokens(model, tok, *, enable_mtp, rule, n, params, seed0, **engine_options):
     eng = OracleDraftEngine(model, tok, enable_mtp=enable_mtp, num_draft=2, max_batch=64,
-                         prefix_cache_bytes=64 << 20, acceptance_rule=rule, pipeline_drafts=pipelined)
+                         prefix_cache_bytes=64 << 20, acceptance_rule=rule, **engine_options)
     prompt = [5, 17, 42, 9, 33, 2]
     # Distinct seeds per arm: paired seeds would share first tokens and deflate the statistic.
     for seed in range(seed0, seed0 + n):
@@ -141,12 +141,18 @@ def _chi2_by_position(a, b):
     return [chi2_two_sample([o[pos] for o in a], [o[pos] for o in b]) for pos in (1, 2)]
 
 
+# Drafting cycles synchronous, pipelined, or with compiled head steps and accept step
+# (each on its own seeds).
+MODES = {"synchronous": (1, {}), "pipelined": (3, {"pipeline_drafts": True}),
+         "compiled": (4, {"compile_steps": True, "shape_stable": True})}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples, pipelined):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_engine_sampling_matches_plain_sampling(tiny_vocab_model, plain_samples, mode):
     model, tok = tiny_vocab_model
-    mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=N, params=PARAMS,
-                         seed0=(3 if pipelined else 1) * N, pipelined=pipelined)
+    seeds, options = MODES[mode]
+    mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=N, params=PARAMS, seed0=seeds * N, **options)
     for stat, dof in _chi2_by_position(plain_samples, mtp):
         assert stat < chi2_quantile(dof), (stat, dof)
 
@@ -173,8 +179,13 @@ def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model):
 
 def test_vectorised_accept_equals_each_row_alone():
     """accept_sampled_rows decides S rows at once exactly as accept_sampled does each row
-    with its own key (a row's random numbers come from its key alone)."""
-    from mlxmtp.engine.rejection_sampler import accept_sampled_rows, row_noise
+    with its own key (a row's random numbers come from its key alone); its compiled graph
+    decides them alike."""
+    from mlxmtp.engine.rejection_sampler import (
+        accept_sampled_rows,
+        compiled_accept_sampled_rows,
+        row_noise,
+    )
 
     S, k, V = 6, 3, 40
     p = mx.random.normal((S, k + 1, V), key=mx.random.key(1)) * 2
@@ -184,7 +195,10 @@ def test_vectorised_accept_equals_each_row_alone():
     drafts = mx.random.categorical(q, key=mx.random.key(3))
     keys = [mx.random.key(10 + s) for s in range(S)]
     noise = [row_noise(key, k, V) for key in keys]
-    kept, tokens = accept_sampled_rows(p, q, drafts, mx.stack([n[0] for n in noise]), mx.stack([n[1] for n in noise]))
+    u, g = mx.stack([n[0] for n in noise]), mx.stack([n[1] for n in noise])
+    kept, tokens = accept_sampled_rows(p, q, drafts, u, g)
+    kept_c, tokens_c = compiled_accept_sampled_rows["exact"](p, q, drafts, u, g)
+    assert kept_c.tolist() == kept.tolist() and tokens_c.tolist() == tokens.tolist()
     for s in range(S):
         kept_s, tokens_s = accept_sampled(p[s], q[s], drafts[s], keys[s])
         assert kept[s].item() == kept_s.item() and tokens[s].tolist() == tokens_s.tolist()

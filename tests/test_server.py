@@ -488,11 +488,13 @@ def test_template_that_opens_think(tmp_path, server_model):
         assert r.choices[0].message.model_extra["reasoning_content"]
 
 
-def test_pipelined_drafts_serve_the_same_greedy_output(start_server, oai):
-    """`serve --pipeline-drafts`: streamed and collected answers equal the default engine's."""
+@pytest.mark.parametrize("option", ["pipeline_drafts", "compile_steps"])
+def test_experimental_cycles_serve_the_same_greedy_output(start_server, oai, option):
+    """`serve --pipeline-drafts` / `--compile-steps`: streamed and collected answers equal the
+    default engine's."""
     import openai
 
-    srv = start_server(model_id=MODEL, pipeline_drafts=True)
+    srv = start_server(model_id=MODEL, **{option: True})
     piped = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
     pin = {"num_draft": 3}  # adaptive depth may stay at plain decoding on the fixture
     for text in ("def add(a, b):", "Write a loop"):

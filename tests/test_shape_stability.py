@@ -11,7 +11,9 @@ import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 from mlx_lm.models import gated_delta
 
+from mlxmtp.engine import rejection_sampler
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.compiled_head import CompiledHead
 from mlxmtp.engine.policy import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import gdn_capture
@@ -84,14 +86,19 @@ WARM_UP = [5, 300, 560]
 NEW_LENGTHS = [7, 33, 100, 201, 249, 260, 333, 450, 511, 590]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+MODES = {"synchronous": {}, "pipelined": {"pipeline_drafts": True}, "compiled": {"compile_steps": True},
+         "pipelined, compiled": {"pipeline_drafts": True, "compile_steps": True}}
+
+
+@pytest.mark.parametrize("family,mode", [(f, m) for f in ("qwen3_5", "qwen3_next") for m in list(MODES)[:3]]
+                         + [("qwen3_6_moe", "compiled"), ("qwen3_5", "pipelined, compiled")])
 @pytest.mark.parametrize("k", [1, 4])
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k, pipelined):
+def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k, mode):
     """The GPU default, run here: greedy output equals mlx-lm's for rows joining at
-    different times, whatever each row keeps."""
+    different times, whatever each row keeps; drafting cycles synchronous, pipelined, or
+    with the head's steps and the accept step compiled."""
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, pipeline_drafts=pipelined, prefill_step=64)
+    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, prefill_step=64, **MODES[mode])
     reqs = [Request(prompt=prompt_of(n, seed=n), max_tokens=30) for n in (4, 90, 270)]
     want = {r.id: reference_greedy(ref, r.prompt, 30) for r in reqs}
     eng.draft_hook = oracle_hook(want, p_correct=0.6, seed=k)
@@ -122,6 +129,38 @@ def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k, pipelined):
     for n in NEW_LENGTHS:
         run(eng, prompt_of(n, seed=n), 8, ref)
         assert rec.shapes == seen, (n, rec.shapes - seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3])
+def test_compiled_steps_trace_nothing_new_after_warm_up(fixture_model, monkeypatch, k):
+    """With `compile_steps`, MLX traces (and compiles) the head's steps and the accept step
+    once per shape: after warm-up, new prompt lengths add no trace. The traced functions'
+    Python bodies run only while MLX traces them, so they count the traces."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    traces = []
+    pure_step = CompiledHead._pure_step
+
+    def counted_step(self, embeddings, hidden, ends, kv):
+        traces.append(("head", embeddings.shape, kv[0].shape))
+        return pure_step(self, embeddings, hidden, ends, kv)
+
+    def counted_accept(logits, drafts):
+        traces.append(("accept", logits.shape))
+        return rejection_sampler.accept_greedy(logits, drafts)
+
+    monkeypatch.setattr(CompiledHead, "_pure_step", counted_step)
+    monkeypatch.setattr(model, "compiled_head", None)  # a new one, tracing through the counter
+    monkeypatch.setattr(rejection_sampler, "compiled_accept_greedy", mx.compile(counted_accept))
+    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, compile_steps=True)
+    for n in WARM_UP:
+        for depth in range(1, k + 1):
+            run(eng, prompt_of(n, seed=n), 48, ref, depth)
+    warm = list(traces)
+    assert {t[0] for t in warm} == {"head", "accept"}
+    for n in NEW_LENGTHS:
+        assert run(eng, prompt_of(n, seed=n), 8, ref) == reference_greedy(ref, prompt_of(n, seed=n), 8)
+        assert traces == warm, (n, traces[len(warm):])
 
 
 def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):

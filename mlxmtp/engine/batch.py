@@ -48,12 +48,10 @@ class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
                  max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = 512,
                  prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
-                 shape_stable: Optional[bool] = None, pipeline_drafts: bool = False):
+                 shape_stable: Optional[bool] = None, pipeline_drafts: bool = False,
+                 compile_steps: bool = False):
         self.model = model
         self.tokenizer = tokenizer
-        self.pieces = model_pieces(model, enable_mtp)
-        adapter.prepare_model(self.pieces.parts.text_model)
-        self.vocab_size = self.pieces.parts.args.vocab_size
         self.policy = shared_policy(model, max_depth, num_draft)
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
         self.max_batch = max_batch
@@ -73,6 +71,12 @@ class BatchGenerator:
         if shape_stable is None:
             shape_stable = mx.default_device() != mx.cpu
         self.shape_stable = shape_stable or self.pipeline_drafts
+        # The head's shape-stable steps and the accept step as compiled graphs (engine/compiled_head.py).
+        # Off by default: on the CPU it neither gains nor loses once traced, and each new
+        # shape costs a compilation there (BENCHMARKS.md); on a GPU it is to be measured.
+        self.pieces = model_pieces(model, enable_mtp, compile_steps)
+        adapter.prepare_model(self.pieces.parts.text_model)
+        self.vocab_size = self.pieces.parts.args.vocab_size
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
         self.batch = Batch(self.shape_stable, head_width=self.max_depth + 1)

@@ -30,6 +30,9 @@ from .limits import MAX_DRAFT_DEPTH
 @click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
               help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@click.option("--compile-steps", is_flag=True,
+              help="Run the MTP head's steps and the accept step as compiled graphs (their shapes are fixed on "
+                   "shape-stable caches, the GPU default). Experimental: see BENCHMARKS.md.")
 @click.option("--pipeline-drafts", is_flag=True,
               help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
@@ -38,7 +41,7 @@ from .limits import MAX_DRAFT_DEPTH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
-             pipeline_drafts=False, dist_timeout=30.0):
+             pipeline_drafts=False, compile_steps=False, dist_timeout=30.0):
     """Generate a completion for PROMPT (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
@@ -47,7 +50,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     if prompt == "-":
         prompt = sys.stdin.read()
     group = launched_group()
-    engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts)
+    engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
+                          compile_steps=compile_steps)
     m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
     if no_chat_template or tok.chat_template is None:

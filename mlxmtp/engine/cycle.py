@@ -94,7 +94,7 @@ def verify(pieces: ModelPieces, cache: list, rows: List[Row], ys: mx.array, draf
         records = rec.layers
     else:
         logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
-    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q_rows, rule), logits)
+    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q_rows, rule, pieces.compiled), logits)
     return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined)
 
 

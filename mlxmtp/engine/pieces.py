@@ -9,25 +9,33 @@ from ..mlxlm.family import TextParts, text_parts
 from ..models.load import MTPModel
 from ..models.mtp_head import MTPHead
 from .adaptive import DepthPolicy
+from .compiled_head import CompiledHead
 from .proposer import Vocab
 
 
 @dataclass(frozen=True)
 class ModelPieces:
     parts: TextParts  # the main model, run through mlxlm.adapter.forward
-    head: Optional[MTPHead]  # the MTP head; None: plain decoding only
+    head: Optional[MTPHead]  # the MTP head (or its CompiledHead); None: plain decoding only
     vocab: Vocab  # what the drafter embeds and projects with (a float32 copy on the CPU for small tables)
     hidden_state: str  # which main-model hidden state feeds the head: "post_norm" or "pre_norm"
+    compiled: bool = False  # the head's shape-stable steps and the accept step run as compiled graphs
 
 
-def model_pieces(model, enable_mtp: bool) -> ModelPieces:
-    """An MTPModel (models.load) brings its head; a plain mlx-lm model runs without."""
+def model_pieces(model, enable_mtp: bool, compile_steps: bool = False) -> ModelPieces:
+    """An MTPModel (models.load) brings its head; a plain mlx-lm model runs without.
+    `compile_steps`: run the head's shape-stable steps (compiled_head.py) and the accept
+    step (verify.accept) as compiled graphs."""
     if isinstance(model, MTPModel):
         parts, head, hidden_state, vocab = model.parts, model.head, model.hidden_state, model.vocab
     else:
         parts, head, hidden_state, vocab = text_parts(model), None, "post_norm", None
     vocab = vocab or parts
-    return ModelPieces(parts, head if enable_mtp else None, vocab, hidden_state)
+    if head is not None and compile_steps:
+        if model.compiled_head is None:  # one per model: its traces serve every engine of it
+            model.compiled_head = CompiledHead(head)
+        head = model.compiled_head
+    return ModelPieces(parts, head if enable_mtp else None, vocab, hidden_state, compile_steps)
 
 
 def shared_policy(model, max_depth: int, num_draft: Optional[int]) -> DepthPolicy:

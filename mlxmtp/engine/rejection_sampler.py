@@ -14,7 +14,8 @@ Everything stays lazy on the device; the caller evaluates once per cycle.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from functools import partial
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
@@ -88,6 +89,20 @@ def accept_sampled_rows(
     tokens = mx.concatenate([drafts, mx.zeros((S, 1), drafts.dtype)], axis=1)
     tokens = mx.where(mx.arange(k + 1)[None, :] == kept[:, None], nxt[:, None].astype(tokens.dtype), tokens)
     return kept, tokens
+
+
+# The same rules as single compiled graphs, traced once per shape (batch, depth,
+# vocabulary), as mlx-lm compiles its samplers: op by op, each is a dozen small kernels.
+compiled_accept_greedy = mx.compile(accept_greedy)
+compiled_accept_sampled_rows = {rule: mx.compile(partial(accept_sampled_rows, rule=rule))
+                                for rule in ("exact", "argmax")}
+
+
+def rules(rule: str, compiled: bool) -> Tuple[Callable, Callable]:
+    """(accept_greedy, accept_sampled_rows with `rule`): compiled graphs or op by op."""
+    if compiled:
+        return compiled_accept_greedy, compiled_accept_sampled_rows[rule]
+    return accept_greedy, partial(accept_sampled_rows, rule=rule)
 
 
 def sample(logprobs: mx.array, key: Optional[mx.array]) -> mx.array:

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from .failures import blame
-from .rejection_sampler import accept_greedy, accept_sampled_rows, row_noise, sample
+from .rejection_sampler import row_noise, rules, sample
 from .sampling import RowSampler
 from .state import Row
 
@@ -50,14 +50,16 @@ class VerifyMetadata:
     top_logprobs: Optional[int]
     # The acceptance rule of sampled rows (rejection_sampler.accept_sampled).
     rule: str = "exact"
+    # Run the acceptance rules as compiled graphs (rejection_sampler.rules).
+    compiled: bool = False
 
     @classmethod
     def for_rows(cls, rows: List[Row], drafts: mx.array, draft_logprobs: List[Optional[mx.array]],
-                 rule: str) -> "VerifyMetadata":
+                 rule: str, compiled: bool = False) -> "VerifyMetadata":
         want_lp = any(r.req.logprobs is not None for r in rows)
         top_n = max((r.req.logprobs or 0) for r in rows)
         return cls(drafts, draft_logprobs, [r.sampler for r in rows], [r.tokens for r in rows],
-                   [r.req.id for r in rows], top_n if want_lp else None, rule)
+                   [r.req.id for r in rows], top_n if want_lp else None, rule, compiled)
 
     @property
     def num_drafts(self) -> int:
@@ -82,7 +84,7 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
             tokens = mx.argmax(logits, axis=-1)
             kept = mx.zeros((B,), dtype=mx.int32)
         else:
-            kept, tokens = accept_greedy(logits, meta.drafts)
+            kept, tokens = rules(meta.rule, meta.compiled)[0](logits, meta.drafts)
         tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
         return kept, tokens.astype(mx.int32), tables
     lg, p_rows, noise = [], [], []
@@ -124,6 +126,7 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
     against the q their drafts came from; each row's result is picked by its kind."""
     drafts, k = meta.drafts, meta.num_drafts
     sampled = [p is not None for p in p_rows]
+    accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
     kept, tokens = accept_greedy(lg, drafts)
     if any(sampled):
         V = lg.shape[-1]
@@ -131,7 +134,7 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
         q = mx.stack([q if q is not None else mx.zeros((k, V), p.dtype) for q in meta.draft_logprobs])
         u = mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise])
         g = mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])
-        kept_s, tokens_s = accept_sampled_rows(p, q.astype(p.dtype), drafts, u, g, rule=meta.rule)
+        kept_s, tokens_s = accept_sampled_rows(p, q.astype(p.dtype), drafts, u, g)
         mask = mx.array(sampled)
         kept = mx.where(mask, kept_s, kept)
         tokens = mx.where(mask[:, None], tokens_s, tokens)

@@ -88,7 +88,7 @@ class RaggedKVCache:
             Dv = values.shape[3]
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, (B, H, T, Dv)), values, axis=2)
         self.lengths = [n + T for n in self.lengths]
-        if self._fixed_shape(T):
+        if self.fixed_shape(T):
             return self.keys, self.values
         end = max(self.lengths)
         return self.keys[..., :end, :], self.values[..., :end, :]
@@ -97,12 +97,19 @@ class RaggedKVCache:
         """How many query tokens a forward of N should be padded to: N; in shape-stable mode
         `width` when N fits in it (a head pass padded to the verify's width shares the
         verify's shapes), else the next power of two (a long catch-up takes one of a few)."""
-        if not self._fixed_shape(N):
+        if not self.fixed_shape(N):
             return N
         return width if N <= width else 1 << (N - 1).bit_length()
 
-    def _fixed_shape(self, N: int) -> bool:
+    def fixed_shape(self, N: int) -> bool:
+        """Whether a forward of N query tokens gets the whole buffer (shape-stable mode)."""
         return self.fixed_shape_from is not None and N >= self.fixed_shape_from
+
+    def reserve(self, N: int) -> None:
+        """Grow the buffer now for N more tokens per row, as update_and_fetch would (a
+        compiled step takes the buffer at its final shape)."""
+        if self.keys is not None:
+            self._grow(self.keys, self.values, max(self.lengths) + N)
 
     def _capacity_for(self, N: int) -> int:
         """The buffer's capacity once N more tokens are written (what _grow makes it)."""
@@ -111,7 +118,7 @@ class RaggedKVCache:
         return cap if needed <= cap else ((needed + self.step - 1) // self.step) * self.step
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        if self._fixed_shape(N):
+        if self.fixed_shape(N):
             # Row b's query t sees keys [0, len_b + t] of the whole buffer.
             limit = self.ends()[:, None, None, None] + mx.arange(N)[None, None, :, None]
             return mx.arange(self._capacity_for(N))[None, None, None, :] <= limit

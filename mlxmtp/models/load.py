@@ -69,6 +69,7 @@ class MTPModel:
     disabled_reason: Optional[str] = None
     policies: dict = field(default_factory=dict)  # learnt depth policies, shared by engines
     vocab: Optional[DraftVocab] = None  # embedding / lm_head as the drafter uses them
+    compiled_head: Optional[object] = None  # engine.compiled_head.CompiledHead, made by the first engine asking
 
     @property
     def active(self) -> bool:

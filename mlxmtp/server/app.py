@@ -72,7 +72,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
-               engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
+               compile_steps: bool = False, engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
     name asked for) unless `strict_model_name`: then only the model id and its aliases.
@@ -81,7 +81,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     _materialize(model)
     mtp_active, reason = _mtp_status(model, enable_mtp)
     metrics = Metrics()
-    options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts)
+    options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts,
+                             compile_steps)
 
     def make_engine():
         return engine_factory(model, tok, **options)
@@ -109,11 +110,12 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
 
 
 def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int, prefix_cache_mb: int,
-                   pipeline_drafts: bool) -> dict:
+                   pipeline_drafts: bool, compile_steps: bool = False) -> dict:
     """The server's engine settings (every rank of a distributed server builds its engine
     from these)."""
     return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
-                prefix_cache_bytes=int(prefix_cache_mb) * 2**20, pipeline_drafts=pipeline_drafts)
+                prefix_cache_bytes=int(prefix_cache_mb) * 2**20, pipeline_drafts=pipeline_drafts,
+                compile_steps=compile_steps)
 
 
 def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:

@@ -36,6 +36,9 @@ log = logging.getLogger("mlxmtp.server")
               help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest request body in MiB; bigger ones get 413.")
+@click.option("--compile-steps", is_flag=True,
+              help="Run the MTP head's steps and the accept step as compiled graphs (their shapes are fixed on "
+                   "shape-stable caches, the GPU default). Experimental: see BENCHMARKS.md.")
 @click.option("--pipeline-drafts", is_flag=True,
               help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
@@ -59,7 +62,8 @@ log = logging.getLogger("mlxmtp.server")
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
-          draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, dist_timeout=30.0):
+          draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
+          dist_timeout=30.0):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
     _check_api_key(api_key)  # before the (slow) model load
@@ -72,14 +76,14 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     fallback = mtp_fallback or enable_mtp is None
     group = launched_group()
     settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
-                    pipeline_drafts=pipeline_drafts)
+                    pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
                    draft_vocab_file=draft_vocab_file)
     if group is not None and group.rank() > 0:
         from .app import engine_options  # on use, as above
 
         return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, num_draft, max_concurrent,
-                                                                   prefix_cache_mb, pipeline_drafts))
+                                                                   prefix_cache_mb, pipeline_drafts, compile_steps))
     name = model or "mlxmtp-demo"
     log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
     if m.active:
@@ -94,7 +98,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     from .app import create_app
 
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
-                     pipeline_drafts=pipeline_drafts, engine_factory=_engine_factory(group, dist_timeout),
+                     pipeline_drafts=pipeline_drafts, compile_steps=compile_steps,
+                     engine_factory=_engine_factory(group, dist_timeout),
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name)
