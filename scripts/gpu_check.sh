@@ -12,6 +12,9 @@
 # compiled (greedy, depths 2 and 3 with and without compile_steps, side by side, and the
 # cycle profile with compile_steps), verify (bench/verify_forward.py: the verify forward
 # against mlx-lm's own T-token forward).
+#
+# One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
+# + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 ROUNDS=${ROUNDS:-3}
