@@ -73,15 +73,21 @@ def forward_costs(model, sizes, context=128, reps=20):
             c.trim_rows([T])
         return dt
 
+    return paired_ratios(timed, lambda T: timed(1), sizes, reps)
+
+
+def paired_ratios(timed_a, timed_b, sizes, reps):
+    """{T: median over `reps` rounds of timed_a(T) / timed_b(T)}, the two timed back to back,
+    alternating which goes first; two more rounds before them warm up."""
     ratios = {T: [] for T in sizes}
     for r in range(reps + 2):
         for T in sizes:
-            if r % 2:  # alternate which of the two goes first
-                one, many = timed(1), timed(T)
+            if r % 2:
+                b, a = timed_b(T), timed_a(T)
             else:
-                many, one = timed(T), timed(1)
-            if r >= 2:  # the first two rounds warm up
-                ratios[T].append(many / one)
+                a, b = timed_a(T), timed_b(T)
+            if r >= 2:
+                ratios[T].append(a / b)
     return {T: statistics.median(v) for T, v in ratios.items()}
 
 
@@ -257,6 +263,20 @@ def _print_table(cols, rows, markdown):
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
+def model_path(name, tmp):
+    """(path, quantized) of a model named on the command line: "demo", "demo-4bit" (made
+    under `tmp`), or a path or Hub id."""
+    if name == "demo":
+        return str(demo_model_path()), False
+    if name == "demo-4bit":
+        from quantized_demo import quantized_demo
+
+        return str(quantized_demo(f"{tmp}/demo-4bit", bits=4)), True
+    from mlxmtp.models.load import inspect_model
+
+    return name, bool(inspect_model(name).get("quantization"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="demo,demo-4bit")
@@ -280,16 +300,7 @@ def main():
     temps = [float(t) for t in args.temps.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            if name == "demo":
-                path, quantized = str(demo_model_path()), False
-            elif name == "demo-4bit":
-                from quantized_demo import quantized_demo
-
-                path, quantized = str(quantized_demo(f"{tmp}/demo-4bit", bits=4)), True
-            else:
-                from mlxmtp.models.load import inspect_model
-
-                path, quantized = name, bool(inspect_model(name).get("quantization"))
+            path, quantized = model_path(name, tmp)
             n = args.max_tokens_quantized if quantized else args.max_tokens
             rounds = args.rounds_quantized if quantized else args.rounds
             chunk = args.chunk_quantized if quantized else args.chunk

@@ -17,15 +17,14 @@ values).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
 import mlx.core as mx
+from decode import model_path, paired_ratios
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxmtp.mlxlm import adapter, gdn_capture
-from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.load import load
 
 
@@ -71,33 +70,14 @@ def verify_forward(model, context, shape_stable):
     return run
 
 
-def ratios(ours, theirs, sizes, reps):
-    out = {T: [] for T in sizes}
-    for r in range(reps + 2):
-        for T in sizes:
-            if r % 2:
-                a, b = ours(T), theirs(T)
-            else:
-                b, a = theirs(T), ours(T)
-            if r >= 2:  # the first two rounds warm up
-                out[T].append(a / b)
-    return {T: statistics.median(v) for T, v in out.items()}
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default="demo", help='"demo", "demo-4bit", or a path or Hub id')
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model == "demo-4bit":
-            from quantized_demo import quantized_demo
-
-            path = str(quantized_demo(f"{tmp}/demo-4bit", bits=4))
-        else:
-            path = args.model or str(demo_model_path())
-        model, _ = load(path)
+        model, _ = load(model_path(args.model, tmp)[0])
         report(model, args.context, args.reps)
 
 
@@ -108,7 +88,7 @@ def report(model, context, reps):
     print("|---" * (len(sizes) + 1) + "|")
     theirs = mlx_lm_forward(model, context)
     for shape_stable in (False, True):
-        got = ratios(verify_forward(model, context, shape_stable), theirs, sizes, reps)
+        got = paired_ratios(verify_forward(model, context, shape_stable), theirs, sizes, reps)
         label = "shape-stable" if shape_stable else "sliced"
         print(f"| {label} | " + " | ".join(f"{got[T]:.3f}x" for T in sizes) + " |")
 

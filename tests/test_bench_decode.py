@@ -77,9 +77,10 @@ def test_verify_forward_bench_times_both_forwards(capsys):
     """Both sides decode the same context: the engine's verify forward (recording for
     rollback) and mlx-lm's own forward; the table has a ratio per T for both cache modes."""
     vf = _bench_module("verify_forward")
+    from mlxmtp.models.demo import demo_model_path
     from mlxmtp.models.load import load
 
-    model, _ = load(str(vf.demo_model_path()))
+    model, _ = load(str(demo_model_path()))
     vf.report(model, context=40, reps=1)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| s")]
     assert [r.split(" | ")[0] for r in rows] == ["| sliced", "| shape-stable"]

@@ -8,7 +8,7 @@ import time
 
 import click
 
-from .limits import MAX_DRAFT_DEPTH
+from .cli_options import drafting_options
 
 
 @click.command()
@@ -21,20 +21,9 @@ from .limits import MAX_DRAFT_DEPTH
 @click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=None, type=int)
 @click.option("--enable-mtp/--disable-mtp", default=True, show_default=True)
-@click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
-              help="Pin the draft depth (default: adaptive).")
+@drafting_options
 @click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
-@click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Draft from the N most frequent tokens only (list made by `mlxmtp draft-vocab`; "
-                   "vocabularies over 64K; 0 = the full vocabulary).")
-@click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
-              help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
-@click.option("--compile-steps", is_flag=True,
-              help="Run the MTP head's steps and the accept step as compiled graphs (their shapes are fixed on "
-                   "shape-stable caches, the GPU default). Experimental: see BENCHMARKS.md.")
-@click.option("--pipeline-drafts", is_flag=True,
-              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
 @click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Under mlx.launch: seconds a step may wait on the other ranks before the run fails.")

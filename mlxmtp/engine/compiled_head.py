@@ -25,7 +25,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..mlxlm.ragged_cache import RaggedKVCache
+from ..mlxlm.ragged_cache import RaggedKVCache, mask_from_ends, write_at_ends
 from ..models.mtp_head import MTPHead
 
 
@@ -37,11 +37,8 @@ class _BufferCache:
         self.keys, self.values, self.offset = keys, values, ends
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, H, T, _ = keys.shape
-        pos = (self.offset[:, None] + mx.arange(T))[:, None, :, None]
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(pos, (B, H, T, keys.shape[3])), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, (B, H, T, values.shape[3])),
-                                        values, axis=2)
+        self.keys = write_at_ends(self.keys, self.offset, keys)
+        self.values = write_at_ends(self.values, self.offset, values)
         return self.keys, self.values
 
 
@@ -73,10 +70,8 @@ class CompiledHead:
 
     def _pure_step(self, embeddings: mx.array, hidden: mx.array, ends: List[mx.array], kv: List[mx.array]):
         caches = [_BufferCache(kv[2 * i], kv[2 * i + 1], e) for i, e in enumerate(ends)]
-        T, capacity = embeddings.shape[1], kv[0].shape[2]
-        # Row b's query t sees keys [0, end_b + t] of the whole buffer (RaggedKVCache.make_mask).
-        limit = ends[0][:, None, None, None] + mx.arange(T)[None, None, :, None]
-        mask = mx.arange(capacity)[None, None, None, :] <= limit
+        # Over the whole buffer, as RaggedKVCache.make_mask in shape-stable mode.
+        mask = mask_from_ends(ends[0], embeddings.shape[1], kv[0].shape[2])
         out = self.head(embeddings, hidden, caches, mask)
         return out, [x for c in caches for x in (c.keys, c.values)]
 

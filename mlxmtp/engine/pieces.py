@@ -31,11 +31,13 @@ def model_pieces(model, enable_mtp: bool, compile_steps: bool = False) -> ModelP
     else:
         parts, head, hidden_state, vocab = text_parts(model), None, "post_norm", None
     vocab = vocab or parts
-    if head is not None and compile_steps:
+    if not enable_mtp:
+        head = None
+    elif head is not None and compile_steps:
         if model.compiled_head is None:  # one per model: its traces serve every engine of it
             model.compiled_head = CompiledHead(head)
         head = model.compiled_head
-    return ModelPieces(parts, head if enable_mtp else None, vocab, hidden_state, compile_steps)
+    return ModelPieces(parts, head, vocab, hidden_state, compile_steps)
 
 
 def shared_policy(model, max_depth: int, num_draft: Optional[int]) -> DepthPolicy:

@@ -82,11 +82,8 @@ class RaggedKVCache:
             self.keys[..., n : n + T, :] = keys
             self.values[..., n : n + T, :] = values
         else:
-            B, H, _, Dk = keys.shape
-            pos = (self.ends()[:, None] + mx.arange(T))[:, None, :, None]
-            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(pos, (B, H, T, Dk)), keys, axis=2)
-            Dv = values.shape[3]
-            self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, (B, H, T, Dv)), values, axis=2)
+            ends = self.ends()
+            self.keys, self.values = write_at_ends(self.keys, ends, keys), write_at_ends(self.values, ends, values)
         self.lengths = [n + T for n in self.lengths]
         if self.fixed_shape(T):
             return self.keys, self.values
@@ -119,17 +116,13 @@ class RaggedKVCache:
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if self.fixed_shape(N):
-            # Row b's query t sees keys [0, len_b + t] of the whole buffer.
-            limit = self.ends()[:, None, None, None] + mx.arange(N)[None, None, :, None]
-            return mx.arange(self._capacity_for(N))[None, None, None, :] <= limit
+            return mask_from_ends(self.ends(), N, self._capacity_for(N))  # over the whole buffer
         assert not self.deferred, "deferred trims need shape-stable forwards"
         if self.uniform:
             # Exactly what mlx-lm's KVCache.make_mask returns.
             return _kv_mask(N, self.lengths[0], return_array, window_size)
-        # Row b's query t sees keys [0, len_b + t]; slots beyond a row's end are stale.
-        end = max(self.lengths) + N
-        limit = mx.array(self.lengths)[:, None, None, None] + mx.arange(N)[None, None, :, None]
-        return mx.arange(end)[None, None, None, :] <= limit
+        # Slots beyond a row's end are stale.
+        return mask_from_ends(mx.array(self.lengths), N, max(self.lengths) + N)
 
     # --- speculative decoding ---------------------------------------------------------
     def is_trimmable(self) -> bool:
@@ -214,6 +207,21 @@ class RaggedKVCache:
 
     def empty(self) -> bool:
         return self.keys is None
+
+
+def write_at_ends(buffer: mx.array, ends: mx.array, new: mx.array) -> mx.array:
+    """buffer [B, H, capacity, D] with new [B, H, T, D] written at row b's positions
+    ends[b] .. ends[b] + T - 1 (ends [B] int32)."""
+    B, H, T, D = new.shape
+    pos = (ends[:, None] + mx.arange(T))[:, None, :, None]
+    return mx.put_along_axis(buffer, mx.broadcast_to(pos, (B, H, T, D)), new, axis=2)
+
+
+def mask_from_ends(ends: mx.array, N: int, width: int) -> mx.array:
+    """[B, 1, N, width] bool: row b's query t sees keys [0, ends[b] + t] (ends [B]: each
+    row's length before the N queries)."""
+    limit = ends[:, None, None, None] + mx.arange(N)[None, None, :, None]
+    return mx.arange(width)[None, None, None, :] <= limit
 
 
 def _pad_time(x: mx.array, cap: int) -> mx.array:

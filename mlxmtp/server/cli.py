@@ -8,7 +8,7 @@ import os
 
 import click
 
-from ..engine.limits import MAX_DRAFT_DEPTH
+from ..engine.cli_options import drafting_options
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -20,14 +20,8 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--enable-mtp/--disable-mtp", default=None,
               help="Require the MTP head (error if missing, unless --mtp-fallback) / never use it. "
                    "Default: use the head when the model has one.")
-@click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
-              help="Pin the draft depth (default: adaptive).")
+@drafting_options
 @click.option("--mtp-fallback", is_flag=True, help="With --enable-mtp: serve without MTP if the model has no head.")
-@click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Draft from the N most frequent tokens only (list made by `mlxmtp draft-vocab`; "
-                   "vocabularies over 64K; 0 = the full vocabulary).")
-@click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
-              help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json).")
 @click.option("--max-concurrent", default=8, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together; more wait in the queue.")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
@@ -36,11 +30,6 @@ log = logging.getLogger("mlxmtp.server")
               help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest request body in MiB; bigger ones get 413.")
-@click.option("--compile-steps", is_flag=True,
-              help="Run the MTP head's steps and the accept step as compiled graphs (their shapes are fixed on "
-                   "shape-stable caches, the GPU default). Experimental: see BENCHMARKS.md.")
-@click.option("--pipeline-drafts", is_flag=True,
-              help="Pipeline drafting cycles: build each on the previous one before reading it (shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves.")
 @click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
