@@ -1,10 +1,17 @@
 """Concurrency benchmark: aggregate and per-request tokens/s, TTFT and inter-token
-latency (p50/p95) at concurrency 1, 4, 8, 16, MTP off vs on, in ONE run.
+latency (p50/p95) at concurrency 1, 4, 8, 16, MTP off vs on (adaptive), in ONE run.
 
 Requests are driven through the same BatchGenerator the server runs; all arrive at
-once. Only ratios between settings of the same run are meaningful.
+once. As the server does, the depth policy's costs are calibrated for one row before
+anything is timed; other batch sizes learn theirs while they decode. Each round runs MTP
+off and on back to back (in alternating order); the table gives medians over rounds and
+the range of the per-round ratio. Only ratios between settings of the same run are
+meaningful.
 
-    python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16]
+Then, for the latency of several agents at once: the longest gap in a running stream
+while 1, 3 or 7 requests join it (their prefills run between its cycles).
+
+    python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -70,23 +77,55 @@ def run(model, tok, n, max_tokens, mtp):
     }
 
 
+def join_gaps(model, tok, joiners, max_tokens):
+    """(longest, median) seconds between a running stream's events while `joiners`
+    requests join it after its first 20 tokens (MTP on)."""
+    eng = BatchGenerator(model, tok, max_batch=joiners + 1)
+    rid = eng.submit(Request(prompt=tok.encode(PROMPTS[2]), max_tokens=max_tokens))
+    last, gaps, n, joined = None, [], 0, False
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.request_id == rid and ev.token_ids:
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last, n = now, n + len(ev.token_ids)
+        if n >= 20 and not joined:
+            joined = True
+            for i in range(joiners):
+                eng.submit(Request(prompt=tok.encode(PROMPTS[i % len(PROMPTS)]), max_tokens=max_tokens // 2))
+    return max(gaps), statistics.median(gaps)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=100)
     ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     model, tok = load(args.model)
+    BatchGenerator(model, tok).calibrate(1)  # what the server does at start-up
     run(model, tok, 2, 10, True)  # warm-up
-    print(f"model: {args.model or 'demo'}   max_tokens={args.max_tokens}")
-    print(f"{'conc':>4} {'MTP':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50 ms':>10} {'p95':>7} {'accept':>7} {'batch':>6} {'on/off':>7}")
+    print(f"model: {args.model or 'demo'}   max_tokens={args.max_tokens}   rounds={args.rounds} (medians)")
+    print(f"{'conc':>4} {'MTP':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50 ms':>10} "
+          f"{'p95':>7} {'accept':>7} {'batch':>6} {'on/off':>7} {'range':>10}")
     for n in [int(x) for x in args.concurrency.split(",")]:
-        off = run(model, tok, n, args.max_tokens, False)
-        on = run(model, tok, n, args.max_tokens, True)
-        for name, r in (("off", off), ("on", on)):
-            ratio = f"{on['agg_tps'] / off['agg_tps']:.2f}x" if name == "on" else ""
-            print(f"{n:4} {name:>4} {r['agg_tps']:10.1f} {r['req_tps']:10.1f} {r['ttft_p50']:9.3f} {r['ttft_p95']:7.3f} "
-                  f"{r['itl_p50'] * 1e3:10.1f} {r['itl_p95'] * 1e3:7.1f} {r['acceptance']:7.2f} {r['mean_batch']:6.1f} {ratio:>7}")
+        res = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                res[name].append(run(model, tok, n, args.max_tokens, name == "on"))
+        ratios = [on["agg_tps"] / off["agg_tps"] for on, off in zip(res["on"], res["off"])]
+        for name, rs in res.items():
+            m = {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+            ratio = f"{statistics.median(ratios):.2f}x" if name == "on" else ""
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if name == "on" else ""
+            print(f"{n:4} {name:>4} {m['agg_tps']:10.1f} {m['req_tps']:10.1f} {m['ttft_p50']:9.3f} {m['ttft_p95']:7.3f} "
+                  f"{m['itl_p50'] * 1e3:10.1f} {m['itl_p95'] * 1e3:7.1f} {m['acceptance']:7.2f} {m['mean_batch']:6.1f} "
+                  f"{ratio:>7} {spread:>10}")
+    for joiners in (1, 3, 7):
+        longest, median = join_gaps(model, tok, joiners, 2 * args.max_tokens)
+        print(f"a running stream while {joiners} request(s) join: longest gap {longest:.2f} s, median {median * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Start-up calibration of cycle costs (engine/calibration.py): the adaptive policy knows
-every depth's cost before its first cycle at a batch size, skips its calibration blocks,
-and the cycles it times itself still take over."""
+every depth's cost before its first cycle, skips its calibration blocks, and the cycles
+it times itself still take over. Batch sizes reached later are never calibrated (that
+would hold up every active row): they learn their costs from their own cycles."""
 
 import pytest
 from engine_helpers import calibration_calls, loaded, prompt_of, reference_greedy
@@ -11,6 +12,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.cycle_costs import CycleCosts
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.pieces import model_pieces
+from mlxmtp.engine.request import Request
 from mlxmtp.models.load import load
 
 
@@ -59,9 +61,35 @@ def test_policy_uses_seeded_costs_at_once():
     policy = DepthPolicy(max_depth=3)
     assert policy.needs_costs(1)
     policy.seed_costs(1, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3})
-    assert not policy.needs_costs(1) and policy.needs_costs(2)
+    assert not policy.needs_costs(1) and not policy.needs_costs(2)
     for _ in range(20):  # drafts always kept: drafting pays from the first cycle
         k = policy.choose(1, 100, ["greedy"])
         assert policy.why != adaptive.CALIBRATING
         policy.update(k, 1, None, [k], ["greedy"])
     assert policy.regime > 0
+
+
+def test_new_batch_sizes_learn_their_costs_without_a_calibration(fixture_model, monkeypatch):
+    """After the calibration for one row, rows joining a running batch are never held up
+    by another calibration: the new batch bucket's costs come from its own cycles
+    (calibration blocks of plain decoding and k = 1), and output stays exact."""
+    path = str(fixture_model("qwen3_5")["hf"])
+    _, _, ref = loaded(path)
+    model, tok = load(path)  # a model of its own: the policy is shared by the model's engines
+    calls = calibration_calls(monkeypatch)
+    eng = BatchGenerator(model, tok, max_batch=4)
+    assert eng.calibrate(1) and calls == [1]
+    prompts = [prompt_of(12 + 5 * i, seed=i) for i in range(4)]
+    ids = [eng.submit(Request(prompt=p, max_tokens=30)) for p in prompts]
+    out, reasons = {i: [] for i in ids}, set()
+    while eng.has_work:
+        for ev in eng.step():
+            out[ev.request_id] += ev.token_ids
+        if len(eng.rows) == 4:
+            reasons.add(eng.why)
+    assert calls == [1]
+    assert adaptive.CALIBRATING in reasons  # bucket 4 measured live, while decoding
+    policy = eng.policy
+    assert all(policy.costs[4].samples(k) >= policy.cfg.min_samples for k in (0, 1))
+    for i, p in zip(ids, prompts):
+        assert out[i] == reference_greedy(ref, p, 30)

@@ -14,7 +14,8 @@ machine's drifting speed cancels (drafting depths never measured are priced by a
 a + b*k through those that were), and `cycle_costs.SwitchCosts` the extra cost of a
 switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
 depths than the chosen one. Plain decoding and k = 1 are calibrated first, in
-alternating blocks, unless the engine seeded the costs (engine/calibration.py).
+alternating blocks, unless the engine seeded the costs (engine/calibration.py: the
+first batch bucket only).
 
 On a backend where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0)
 for every k > 0 and the policy settles on 0: as fast as MTP off, up to the probe cycles,
@@ -84,10 +85,13 @@ class DepthPolicy(Policy):
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs (engine/calibration.py) before
-        this cycle: an adaptive policy, and a batch bucket with no cost measured yet."""
-        bucket = _bucket(batch_size)
-        return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
-                and bucket not in self._seeded and not self._calibrated(bucket, 0))
+        this cycle: an adaptive policy with no cost measured at any batch size yet. Only
+        that first batch size is calibrated (the server's, one row, at start-up): a
+        calibration holds up every active row for the time of dozens of cycles, so a
+        batch bucket reached later learns its costs from its own cycles (calibration
+        blocks, then probes), which emit tokens all along."""
+        return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0 and not self._seeded
+                and not any(self._calibrated(b, 0) for b in list(self.costs)))
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
         """Calibrated seconds per cycle of each depth at this batch size, as prior samples

@@ -1,5 +1,6 @@
 """A short measurement of what decode cycles of each depth cost, before the depth policy
-first needs them for a batch size.
+first needs them (the server: for one row, at start-up; later batch sizes learn theirs
+from their own cycles, see DepthPolicy.needs_costs).
 
 Without it the policy learns its costs from live cycles alone: blocks of plain decoding
 and k = 1 at the start, then probes of every other depth, each switch paid by real
