@@ -11,7 +11,8 @@
 # decode (temperatures 0 and 0.6), tests (the exactness tests), vocab (bench/draft_vocab.py),
 # compiled (greedy, depths 2 and 3 with and without compile_steps, side by side, and the
 # cycle profile with compile_steps), verify (bench/verify_forward.py: the verify forward
-# against mlx-lm's own T-token forward).
+# against mlx-lm's own T-token forward), batch (bench/batch.py: concurrency 1, 4, 8, MTP off
+# and adaptive, and a running stream's longest gap while requests join).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -52,6 +53,7 @@ for check in "$@"; do
                   timeout 80 python3 bench/cycle_profile.py --compile-steps --depths 0,2,3 2>&1 \
                       | tee "$OUT/profile_compiled.md" ;;
         verify) timeout 60 python3 bench/verify_forward.py 2>&1 | tee "$OUT/verify_forward.md" ;;
+        batch) timeout 120 python3 bench/batch.py --concurrency 1,4,8 --rounds 2 2>&1 | tee "$OUT/batch.md" ;;
         vocab) timeout 60 python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md" ;;
         *) echo "unknown check: $check" ;;
     esac
