@@ -181,9 +181,8 @@ class BatchGenerator:
     # ---------------------------------------------------------------- decode
     def calibrate(self, batch_size: int = 1) -> bool:
         """Measure cycle costs at `batch_size` rows now, if the depth policy has none yet
-        (engine/calibration.py) -> whether it ran. The server does it for one row at start-up,
-        so no request waits for it; batch sizes reached later learn their costs from their
-        own cycles (DepthPolicy.needs_costs)."""
+        (engine/calibration.py) -> whether it ran. The server does it for one row at start-up;
+        later batch sizes learn their costs from their own cycles (DepthPolicy.needs_costs)."""
         if self.pieces.head is None or not self.policy.needs_costs(batch_size):
             return False
         self.policy.seed_costs(batch_size, calibration.measure_cycle_costs(
