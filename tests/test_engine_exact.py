@@ -72,3 +72,25 @@ def test_all_drafts_accepted_gives_k_plus_one_tokens_per_forward(fixture_model):
     assert got == want
     assert stats.as_dict()["acceptance"] == 1.0
     assert stats.as_dict()["tokens_per_forward"] == 4.0
+
+
+def test_prefill_chunks_never_compute_the_lm_head(tmp_path):
+    """As in mlx-lm's prefill, the chunks before a prompt's last token evaluate the caches
+    alone: with a 64K vocabulary a 512-token chunk's logits would take 128 MiB. Output
+    stays mlx-lm's own."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlxmtp.models.load import load
+    from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+    path = str(write_hf_checkpoint(tmp_path / "model", "qwen3_5", vocab_size=65536))
+    model, tok = load(path)
+    ref, _ = mlx_lm.load(path)
+    prompt = prompt_of(600, seed=3)
+    generate(model, tok, prompt[:20], max_tokens=2, num_draft=1)  # allocations of the first use
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    got = generate(model, tok, prompt, max_tokens=3, num_draft=1, prefill_step=512).token_ids
+    assert mx.get_peak_memory() - base < 512 * 65536 * 4 // 4  # a quarter of one chunk's logits
+    assert got == reference_greedy(ref, prompt, 3)

@@ -81,11 +81,11 @@ class Prefiller:
         todo = len(prompt) - 1 - row.done_prompt
         if todo > 0:
             n = min(todo, self.step - row.done_prompt % self.step)
-            self._forward(row, prompt[row.done_prompt : row.done_prompt + n])
+            self._forward(row, prompt[row.done_prompt : row.done_prompt + n], logits_needed=False)
             row.done_prompt += n
             return False
         if row.done_prompt < len(prompt):
-            logits = self._forward(row, prompt[-1:])
+            logits = self._forward(row, prompt[-1:], logits_needed=True)
             row.done_prompt = len(prompt)
             row.last_logits = logits[0, -1]
             self.prefix_cache.store(prompt, row.cache, row.head_cache, pending_array(row.pend), row.pend_t,
@@ -116,8 +116,12 @@ class Prefiller:
             row.cache = adapter.make_cache(self.pieces.parts, 1)
             row.head_cache = adapter.make_head_cache(self.pieces.head, 1) if self.pieces.head is not None else None
 
-    def _forward(self, row: Row, tokens: List[int]) -> mx.array:
-        """Run prompt tokens through the main model (and the head) -> logits [1, T, V]."""
+    def _forward(self, row: Row, tokens: List[int], logits_needed: bool) -> mx.array:
+        """Run prompt tokens through the main model (and the head) -> logits [1, T, V],
+        computed only if `logits_needed`: as in mlx-lm's prefill, a chunk before the last
+        token evaluates the caches alone, never the lm_head over its positions (for a
+        248K-token vocabulary that would be a sizeable share of a small model's prefill,
+        and a transient [T, V] array)."""
         p = self.pieces
         logits, hidden = adapter.forward(p.parts, mx.array(tokens)[None], row.cache, p.hidden_state)
         if p.head is not None:
@@ -131,6 +135,6 @@ class Prefiller:
             if n:
                 _, rest = head_pass(p.head, p.vocab, row.head_cache, [row.pend], [row.pend_t], [n])
                 row.pend, row.pend_t = rest[0], []
-        mx.eval(logits, *adapter.cache_arrays(row.cache),
+        mx.eval(*([logits] if logits_needed else []), *adapter.cache_arrays(row.cache),
                 *(adapter.cache_arrays(row.head_cache) if row.head_cache else []), *[a for a, _, _ in row.pend])
         return logits
