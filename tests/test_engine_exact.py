@@ -1,13 +1,16 @@
 """The master test: with MTP on, greedy output equals mlx-lm's own greedy output,
 token for token, for every family, depth and prompt length (float32 fixtures)."""
 
+import mlx.core as mx
+import mlx_lm
 import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.request import Request
-from mlxmtp.testing.fixtures import FAMILIES
+from mlxmtp.models.load import load
+from mlxmtp.testing.fixtures import FAMILIES, write_hf_checkpoint
 
 DEPTHS = [0, 1, 2, 3, 4, None]  # 0 = MTP off, None = adaptive
 
@@ -78,12 +81,6 @@ def test_prefill_chunks_never_compute_the_lm_head(tmp_path):
     """As in mlx-lm's prefill, the chunks before a prompt's last token evaluate the caches
     alone: with a 64K vocabulary a 512-token chunk's logits would take 128 MiB. Output
     stays mlx-lm's own."""
-    import mlx.core as mx
-    import mlx_lm
-
-    from mlxmtp.models.load import load
-    from mlxmtp.testing.fixtures import write_hf_checkpoint
-
     path = str(write_hf_checkpoint(tmp_path / "model", "qwen3_5", vocab_size=65536))
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)

@@ -81,7 +81,6 @@ class DepthPolicy(Policy):
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
-        self._seeded: set = set()  # batch buckets whose costs were calibrated (seed_costs)
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs (engine/calibration.py) before
@@ -90,8 +89,8 @@ class DepthPolicy(Policy):
         calibration holds up every active row for the time of dozens of cycles, so a
         batch bucket reached later learns its costs from its own cycles (calibration
         blocks, then probes), which emit tokens all along."""
-        return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0 and not self._seeded
-                and not any(self._calibrated(b, 0) for b in list(self.costs)))
+        return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
+                and not any(c.samples(0) >= self.cfg.min_samples for c in self.costs.values()))
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
         """Calibrated seconds per cycle of each depth at this batch size, as prior samples
@@ -99,7 +98,6 @@ class DepthPolicy(Policy):
         calibration blocks); the cycles timed from now on join and outweigh them."""
         bucket = _bucket(batch_size)
         self._costs(bucket).seed(seconds, self.cfg.min_samples)
-        self._seeded.add(bucket)
 
     def acceptance(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k (see Acceptance)."""
