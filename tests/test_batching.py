@@ -2,12 +2,15 @@
 whatever else is in the batch, whenever it joins or leaves, with MTP on (ragged
 acceptance) and off."""
 
+import gc
 import random
 
+import mlx.core as mx
 import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.prefix_cache import PrefixTrie
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 
@@ -123,3 +126,26 @@ def test_prefix_cache_evicts_under_memory_bound(fixture_model):
     assert 0 < len(eng.prefix_cache.entries) < 12
     for r in reqs:
         assert outs[r.id] == reference_greedy(ref, r.prompt, 4)
+
+@pytest.mark.parametrize("shape_stable", [False, True])
+def test_prefix_cache_holds_only_the_bytes_it_counts(fixture_model, shape_stable):
+    """Rows leave a batch of 6 one by one and their states are stored: the memory the
+    entries keep alive (freed when they are dropped) is within the budget's count. A row
+    stored as a view of the batch's caches would keep every row's KV, at the buffer's
+    capacity, and every row's Gated DeltaNet state."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, num_draft=2, prefix_cache_bytes=256 << 20, shape_stable=shape_stable)
+    reqs = [Request(prompt=prompt_of(150 + 40 * i, seed=i), max_tokens=6 + 5 * i) for i in range(6)]
+    outs, _ = run_schedule(eng, [(0, r) for r in reqs])
+    for r in reqs:
+        assert outs[r.id] == reference_greedy(ref, r.prompt, r.max_tokens)
+    pc = eng.prefix_cache
+    assert sum(e.last_logits.size == 0 for e in pc.entries.values()) >= 5  # rows that left the batch
+    gc.collect()
+    held = mx.get_active_memory()
+    pc.entries.clear()
+    pc.trie = PrefixTrie()
+    gc.collect()
+    freed = held - mx.get_active_memory()
+    assert 0 < freed <= pc.bytes * 1.05 + (64 << 10), (freed, pc.bytes)
+

@@ -2,6 +2,7 @@
 budget, and the trie staying consistent with the entries through inserts and removals.
 The stored states are tiny ArraysCaches whose byte size the test chooses."""
 
+import gc
 import random
 
 import mlx.core as mx
@@ -57,9 +58,27 @@ def test_store_copies_the_state_and_counts_its_bytes():
     cache = state(100)
     pc.store([1, 2, 3], cache, state(20), mx.zeros((2, 3), dtype=mx.uint8), [7], LOGITS)
     entry = pc.lookup([1, 2, 3])
-    assert entry.cache is not cache and entry.cache[0].cache[0] is cache[0].cache[0]  # new list, same arrays
+    assert entry.cache is not cache and entry.cache[0] is not cache[0]
+    assert mx.array_equal(entry.cache[0].cache[0], cache[0].cache[0])
     assert entry.nbytes == pc.bytes == 100 + 20 + 6 + 4
     assert entry.pend_t == [7]
+
+
+def test_an_entry_stored_from_a_view_owns_only_its_part():
+    """A slice of a large array (one row of a batch's state) is stored as its own copy:
+    dropping the large array frees it, so the entry holds what its byte count says."""
+    pc = PrefixCache(1 << 30)
+    big = mx.zeros((8, 1 << 20), dtype=mx.uint8)
+    mx.eval(big)
+    c = ArraysCache(1)
+    c.cache = [big[3:4]]
+    gc.collect()
+    before = mx.get_active_memory()
+    pc.store([1, 2], [c], None, None, [], NO_LOGITS)
+    del big, c
+    gc.collect()
+    assert before - mx.get_active_memory() >= 7 << 20  # the other 7 rows are gone
+    assert pc.bytes == 1 << 20
 
 
 def test_least_recently_used_goes_first():

@@ -425,6 +425,22 @@ def test_metrics_parse(server, oai):
     assert samples[("mlxmtp_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
 
 
+def test_metrics_show_the_prefix_cache(start_server):
+    srv = start_server(model_id=MODEL, prefix_cache_mb=64)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    first = chat(client, "the same long question " * 20, max_tokens=4)
+    chat(client, "the same long question " * 20, max_tokens=4)
+    text = httpx.get(srv.url + "/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("mlxmtp_prefix_cache_entries", ())] >= 1
+    assert 0 < samples[("mlxmtp_prefix_cache_bytes", ())] <= 64 << 20
+    assert samples[("mlxmtp_prefix_cache_lookups", (("result", "hit"),))] >= 1
+    assert samples[("mlxmtp_prefix_cache_lookups", (("result", "miss"),))] >= 1
+    # The second request's whole prompt was restored: all of it but nothing prefilled.
+    assert samples[("mlxmtp_cached_prompt_tokens_total", ())] == first.usage.prompt_tokens
+
+
 def test_api_key(server_model):
     model, tok = server_model
     # Also the fixed-depth server option: every decode cycle drafts 2 tokens.

@@ -6,7 +6,8 @@ shorter prefix, so entries are stored at exact boundaries: the end of a prompt a
 the end of a finished request), the MTP head's cache and its pending inputs, and the
 logits after the last token. A hit restores all of it and prefills only the rest,
 so hit and miss give the same output. Bounded by bytes, least recently used first out.
-Arrays are immutable: storing an entry holds references, it copies nothing.
+An entry owns compact copies of its arrays (a row's share of a batch's caches, never
+views that keep the batch's whole buffers alive), so the byte budget is what it holds.
 
 Lookups walk a radix trie of the stored sequences, so a lookup costs the prompt's
 length, not the number of entries times it. mlx-lm's LRUPromptCache / PromptTrie
@@ -164,14 +165,20 @@ class PrefixCache:
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        cache = adapter.copy_cache(cache)
-        head_cache = adapter.copy_cache(head_cache) if head_cache is not None else None
         nbytes = adapter.cache_nbytes(cache) + (adapter.cache_nbytes(head_cache) if head_cache else 0)
         nbytes += (pend_h.nbytes if pend_h is not None else 0) + last_logits.nbytes
         if self.agree is not None:
             nbytes = self.agree(nbytes)
         if nbytes > self.max_bytes:
             return
+        # Copies that own their data, so the entry holds the bytes it is counted for (a
+        # view would keep its batch's whole buffers alive: see adapter.owned_copy).
+        cache = adapter.owned_copy(cache)
+        head_cache = adapter.owned_copy(head_cache) if head_cache is not None else None
+        pend_h = mx.contiguous(pend_h) if pend_h is not None else None
+        last_logits = mx.contiguous(last_logits)
+        mx.eval(*adapter.cache_arrays(cache), *(adapter.cache_arrays(head_cache) if head_cache else []),
+                *([pend_h] if pend_h is not None else []), last_logits)
         entry = PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)
         self.entries[key] = entry
         self.trie.insert(entry)

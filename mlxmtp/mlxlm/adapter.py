@@ -175,6 +175,23 @@ def copy_cache(cache: list) -> list:
     return out
 
 
+def owned_copy(cache: list) -> list:
+    """A copy whose arrays hold only their own data (evaluate them to drop the sources).
+
+    An MLX slice is a view: it keeps its whole source buffer alive. One row of a batch
+    cache (`extract_cache`) would keep every row's KV at the buffer's full capacity, and
+    every row's Gated DeltaNet state. `mx.contiguous` copies a view that covers part of
+    its buffer and shares an array that is its whole buffer."""
+    out = copy_cache(cache)
+    for c in out:
+        if isinstance(c, RaggedKVCache):
+            if c.keys is not None:
+                c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)
+        else:
+            c.cache = [None if a is None else mx.contiguous(a) for a in c.cache]
+    return out
+
+
 def cache_arrays(cache: list) -> List[mx.array]:
     """Every array a cache holds (what to evaluate so its state is materialised)."""
     out = []

@@ -88,6 +88,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
         return engine_factory(model, tok, **options)
 
     bridge = EngineBridge(make_engine, metrics)
+    metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
     model_id = model_id or "mlxmtp-demo"
     args = text_parts(model).args
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..engine.prefix_cache import PrefixCache
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -38,7 +42,26 @@ class Metrics:
                                     "policy gave for it.", ["depth", "reason"], registry=r)
         self.last_depth = Gauge(p + "mtp_depth", "Draft depth chosen for the latest decode cycle.", registry=r)
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised.", registry=r)
+        self.cached_prompt_tokens = Counter(p + "cached_prompt_tokens", "Prompt tokens restored from the prefix "
+                                            "cache instead of prefilled.", registry=r)
+        self.prefix_cache_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the prefix cache holds.", registry=r)
+        self.prefix_cache_entries = Gauge(p + "prefix_cache_entries", "States the prefix cache holds.",
+                                          registry=r)
+        self.prefix_cache_lookups = Gauge(p + "prefix_cache_lookups", "Prefix cache lookups by result, since the "
+                                          "engine started.", ["result"], registry=r)
         self._pos_totals: dict = {}
+
+    def watch_prefix_cache(self, current: Callable[[], Optional[PrefixCache]]) -> None:
+        """Read the prefix cache's size and lookups at each scrape (not per decode step);
+        `current()`: the running engine's PrefixCache, or None."""
+
+        def read(attr: str) -> Callable[[], float]:
+            return lambda: float(_size(current(), attr))
+
+        self.prefix_cache_bytes.set_function(read("bytes"))
+        self.prefix_cache_entries.set_function(read("entries"))
+        self.prefix_cache_lookups.labels("hit").set_function(read("hits"))
+        self.prefix_cache_lookups.labels("miss").set_function(read("misses"))
 
     def on_step(self, engine, decoded: bool) -> None:
         """From the engine thread after every step."""
@@ -52,6 +75,7 @@ class Metrics:
     def on_finish(self, stats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generated_tokens.inc(stats.generated_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
         for i, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position, strict=True)):
@@ -65,3 +89,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _size(cache: Optional[PrefixCache], attr: str) -> int:
+    if cache is None:
+        return 0
+    value = getattr(cache, attr)
+    return len(value) if attr == "entries" else value
