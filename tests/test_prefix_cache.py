@@ -6,6 +6,7 @@ import gc
 import random
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from mlxmtp.engine.prefix_cache import PrefixCache
@@ -153,3 +154,20 @@ def test_trie_matches_a_linear_scan_under_random_traffic():
         # Compressed: every node but the root holds an entry or branches.
         assert all(node.entry is not None or len(node.edges) >= 2 for node in _nodes(pc.trie.root)
                    if node is not pc.trie.root)
+
+
+def test_a_state_that_cannot_be_copied_is_skipped(monkeypatch):
+    """The cache only saves work: a failed copy (e.g. no memory) stores nothing and raises
+    nothing, except on a distributed engine, whose ranks must hold the same entries."""
+    from mlxmtp.mlxlm import adapter
+
+    def no_memory(cache):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(adapter, "owned_copy", no_memory)
+    pc = PrefixCache(1 << 20)
+    put(pc, (1, 2, 3))
+    assert pc.bytes == 0 and not pc.entries and found(pc, [1, 2, 3, 4]) is None
+    pc.agree = lambda n: n
+    with pytest.raises(RuntimeError, match="out of memory"):
+        put(pc, (1, 2, 3))

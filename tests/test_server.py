@@ -441,6 +441,21 @@ def test_metrics_show_the_prefix_cache(start_server):
     assert samples[("mlxmtp_cached_prompt_tokens_total", ())] == first.usage.prompt_tokens
 
 
+def test_finished_rows_are_stored_from_the_engine_thread(start_server):
+    """A row that finishes in a cycle read synchronously (here: its logits processor forces
+    a script, then EOS) is stored in the prefix cache then, on the engine's thread (MLX
+    streams are per thread: an array made on another thread cannot be evaluated there)."""
+    srv = start_server(SCRIPTS, model_id=MODEL, prefix_cache_mb=64)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    for text in ("a first question FORCE:think", "a second one FORCE:think"):
+        assert chat(client, text, max_tokens=40).choices[0].finish_reason == "stop"
+    text = httpx.get(srv.url + "/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples.get(("mlxmtp_engine_errors_total", ()), 0) == 0
+    assert samples[("mlxmtp_prefix_cache_entries", ())] == 4  # each prompt, each finished request
+
+
 def test_api_key(server_model):
     model, tok = server_model
     # Also the fixed-depth server option: every decode cycle drafts 2 tokens.

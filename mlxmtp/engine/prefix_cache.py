@@ -23,6 +23,7 @@ however long the prompts are.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,6 +33,8 @@ import mlx.core as mx
 from ..mlxlm import adapter
 
 Tokens = Tuple[int, ...]
+
+log = logging.getLogger("mlxmtp")
 
 
 @dataclass
@@ -171,15 +174,13 @@ class PrefixCache:
             nbytes = self.agree(nbytes)
         if nbytes > self.max_bytes:
             return
-        # Copies that own their data, so the entry holds the bytes it is counted for (a
-        # view would keep its batch's whole buffers alive: see adapter.owned_copy).
-        cache = adapter.owned_copy(cache)
-        head_cache = adapter.owned_copy(head_cache) if head_cache is not None else None
-        pend_h = mx.contiguous(pend_h) if pend_h is not None else None
-        last_logits = mx.contiguous(last_logits)
-        mx.eval(*adapter.cache_arrays(cache), *(adapter.cache_arrays(head_cache) if head_cache else []),
-                *([pend_h] if pend_h is not None else []), last_logits)
-        entry = PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)
+        try:
+            entry = _owned_entry(key, cache, head_cache, pend_h, pend_t, last_logits, nbytes)
+        except Exception:  # noqa: BLE001 - e.g. no memory for the copy: the cache only saves work
+            if self.agree is not None:
+                raise  # ranks that skipped different entries would prefill differently
+            log.exception("could not store a prefix cache entry of %d tokens; going on without it", len(key))
+            return
         self.entries[key] = entry
         self.trie.insert(entry)
         self.bytes += nbytes
@@ -187,3 +188,16 @@ class PrefixCache:
             _, old = self.entries.popitem(last=False)
             self.trie.remove(old.tokens)
             self.bytes -= old.nbytes
+
+
+def _owned_entry(key: Tokens, cache: list, head_cache: Optional[list], pend_h, pend_t: List[int],
+                 last_logits: mx.array, nbytes: int) -> PrefixEntry:
+    """An entry of copies that own their data, so it holds the bytes it is counted for (a
+    view would keep its batch's whole buffers alive: see adapter.owned_copy)."""
+    cache = adapter.owned_copy(cache)
+    head_cache = adapter.owned_copy(head_cache) if head_cache is not None else None
+    pend_h = mx.contiguous(pend_h) if pend_h is not None else None
+    last_logits = mx.contiguous(last_logits)
+    mx.eval(*adapter.cache_arrays(cache), *(adapter.cache_arrays(head_cache) if head_cache else []),
+            *([pend_h] if pend_h is not None else []), last_logits)
+    return PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)

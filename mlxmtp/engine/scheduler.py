@@ -23,9 +23,6 @@ from .proposer import pending_array
 from .request import Event, Request
 from .state import Batch, Row
 
-# Finished rows are stored without logits (see store_finished).
-_NO_LOGITS = mx.zeros((0,))
-
 
 class Inbox:
     """Requests and cancellations from other threads, taken by the engine once per step."""
@@ -115,4 +112,6 @@ def store_finished(prefix_cache: PrefixCache, batch: Batch, b: int) -> None:
     pend_h = pending_array(row.pend) if with_head else None
     if pend_h is not None:
         pend_h = pend_h[: len(pend_t) + 1]
-    prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, _NO_LOGITS)
+    # (Made here, not at import: an array built on one thread cannot be evaluated on
+    # another, and the engine runs on a thread of its own.)
+    prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, mx.zeros((0,)))
