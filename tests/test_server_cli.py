@@ -1,6 +1,7 @@
 """`mlxmtp serve` CLI paths that must not block on serving."""
 
 import logging
+import os
 from unittest import mock
 
 import pytest
@@ -8,6 +9,7 @@ from click.testing import CliRunner
 
 from mlxmtp.cli import main
 from mlxmtp.engine.limits import MAX_DRAFT_DEPTH
+from mlxmtp.engine.prefix_cache import default_budget
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 RUN = "mlxmtp.server.shutdown.run_server"  # serving itself; mocked so nothing blocks
@@ -58,11 +60,25 @@ def test_serve_options_reach_the_app(tmp_path):
     assert state.knows_model("a1") and not state.knows_model("claude-x")
 
 
-def test_serve_defaults(tmp_path):
+def test_the_default_prefix_cache_budget_is_a_quarter_of_the_device_memory():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with mock.patch("mlx.core.device_info", return_value={"device_name": "cpu"}):
+        assert default_budget() == physical // 4
+    metal = {"memory_size": 64 << 30, "max_recommended_working_set_size": 48 << 30}
+    with mock.patch("mlx.core.device_info", return_value=metal):
+        assert default_budget() == 12 << 30
+
+
+def test_serve_defaults(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="mlxmtp")
     path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
     with mock.patch(RUN) as run:
         res = CliRunner().invoke(main, ["serve", "--model", str(path)], env={"MLXMTP_API_KEY": None})
     assert res.exit_code == 0, res.output
+    assert f"prefix cache: up to {default_budget() >> 20} MiB" in caplog.text
+    with mock.patch(RUN):
+        res = CliRunner().invoke(main, ["serve", "--model", str(path), "--prefix-cache-mb", "5"])
+    assert res.exit_code == 0 and "prefix cache: up to 5 MiB" in caplog.text
     app = run.call_args.args[0]
     assert run.call_args.kwargs["shutdown_timeout"] == 10.0 and run.call_args.kwargs["host"] == "127.0.0.1"
     assert app.api_key is None and app.max_body == 8 * 2**20

@@ -60,6 +60,9 @@ class DistributedEngine(BatchGenerator):
                                    digest=lambda: self.digest, check=self._check_digest)
         self.digest = 0  # of every cycle's results so far: the ranks compare theirs (_read)
         self.prefix_cache.agree = self._agreed_size
+        # Every rank keeps and evicts the same entries, so all use rank 0's budget (each
+        # rank's own default is a share of its own machine's memory).
+        self.prefix_cache.max_bytes = self._agreed_size(self.prefix_cache.max_bytes)
         self.outbox = Inbox()  # rank 0: what submit/cancel handed over since the last step
         self._arrived = threading.Event()
         self.on_fatal = on_fatal or exit_on_fatal

@@ -24,6 +24,7 @@ however long the prompts are.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,6 +36,19 @@ from ..mlxlm import adapter
 Tokens = Tuple[int, ...]
 
 log = logging.getLogger("mlxmtp")
+
+
+def default_budget() -> int:
+    """Bytes for the prefix cache when none is given: a quarter of the memory the device
+    can use (Metal's recommended working set where MLX reports it, else the machine's
+    memory). A long agent prompt's state on a large model takes gigabytes (Qwen3.5-27B
+    keeps 64 KiB of KV per token: 1.25 GiB for 20K tokens), so a small fixed budget
+    would store none of them."""
+    info = mx.device_info()
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total) // 4
 
 
 @dataclass

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.batch import BatchGenerator
+from ..engine.prefix_cache import default_budget
 from ..mlxlm.family import text_parts
 from ..models.load import MTPModel
 from . import anthropic_api, openai_api, responses_api
@@ -69,7 +70,7 @@ class ServerState:
 
 def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool = True,
                num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
-               prefix_cache_mb: int = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
+               prefix_cache_mb: Optional[int] = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
                compile_steps: bool = False, engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
@@ -83,6 +84,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     metrics = Metrics()
     options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts,
                              compile_steps)
+    log.info("prefix cache: up to %d MiB", options["prefix_cache_bytes"] >> 20)
 
     def make_engine():
         return engine_factory(model, tok, **options)
@@ -110,13 +112,13 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     return _Outer(app, state, api_key, int(max_body_mb * 2**20))
 
 
-def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int, prefix_cache_mb: int,
-                   pipeline_drafts: bool, compile_steps: bool = False) -> dict:
+def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int,
+                   prefix_cache_mb: Optional[int], pipeline_drafts: bool, compile_steps: bool = False) -> dict:
     """The server's engine settings (every rank of a distributed server builds its engine
-    from these)."""
+    from these); `prefix_cache_mb` None: the machine's default (prefix_cache.default_budget)."""
+    budget = default_budget() if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
     return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
-                prefix_cache_bytes=int(prefix_cache_mb) * 2**20, pipeline_drafts=pipeline_drafts,
-                compile_steps=compile_steps)
+                prefix_cache_bytes=budget, pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
 
 
 def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:

@@ -30,8 +30,9 @@ log = logging.getLogger("mlxmtp.server")
               help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest request body in MiB; bigger ones get 413.")
-@click.option("--prefix-cache-mb", default=1024, show_default=True, type=click.IntRange(min=0),
-              help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off).")
+@click.option("--prefix-cache-mb", default=None, type=click.IntRange(min=0),
+              help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off; default: a "
+                   "quarter of the memory the device can use).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
               help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health "
                    "(also MLXMTP_API_KEY; an empty key is refused).")
