@@ -13,6 +13,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.prefix_cache import PrefixTrie
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.mlxlm import adapter
 
 
 def run_schedule(eng, schedule, hook_expected=None, cancel_at=None):
@@ -149,3 +150,55 @@ def test_prefix_cache_holds_only_the_bytes_it_counts(fixture_model, shape_stable
     freed = held - mx.get_active_memory()
     assert 0 < freed <= pc.bytes * 1.05 + (64 << 10), (freed, pc.bytes)
 
+
+
+def _run_one(eng, prompt, max_tokens):
+    """Run one request alone -> (tokens, its stats)."""
+    req = Request(prompt=prompt, max_tokens=max_tokens)
+    eng.submit(req)
+    out, stats = [], None
+    while eng.has_work:
+        for ev in eng.step():
+            out += ev.token_ids
+            stats = ev.stats if ev.finish_reason else stats
+    return out, stats
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_prompts_that_branch_off_a_shared_prefix_store_the_branch_point(fixture_model, mtp):
+    """Three conversations with one system prompt: the second stores the state where it
+    branches off the first, the third starts from it. Every output is mlx-lm's, and the
+    state stored at the branch point is the one a prompt ending there leaves."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    system = prompt_of(150, seed=11)
+    prompts = [system + prompt_of(20, seed=s) for s in (12, 13, 14)]
+    assert len({p[150] for p in prompts}) == 3  # they branch right after the system prompt
+    options = dict(enable_mtp=mtp, num_draft=2 if mtp else None, prefix_cache_bytes=256 << 20, prefill_step=64)
+    eng = BatchGenerator(model, tok, **options)
+    cached = []
+    for p in prompts:
+        out, stats = _run_one(eng, p, 12)
+        assert out == reference_greedy(ref, p, 12)
+        cached.append(stats.cached_prompt_tokens)
+    assert cached == [0, 0, 150]
+    stored = eng.prefix_cache.entries[tuple(system)]
+    alone = BatchGenerator(model, tok, **options)
+    _run_one(alone, system, 1)
+    expected = alone.prefix_cache.entries[tuple(system)]
+    assert stored.pend_t == expected.pend_t == []
+    pairs = list(zip(adapter.cache_arrays(stored.cache), adapter.cache_arrays(expected.cache)))
+    if mtp:
+        pairs += zip(adapter.cache_arrays(stored.head_cache), adapter.cache_arrays(expected.head_cache))
+        pairs.append((stored.pend_h, expected.pend_h))
+    for got, want in pairs:
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_a_short_shared_prefix_stores_no_branch_point(fixture_model):
+    """A shared part shorter than a prefill chunk is cheaper to prefill again than to keep."""
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, prefix_cache_bytes=256 << 20, prefill_step=64)
+    system = prompt_of(40, seed=11)
+    for s in (12, 13):
+        _run_one(eng, system + prompt_of(20, seed=s), 2)
+    assert tuple(system) not in eng.prefix_cache.entries

@@ -148,12 +148,21 @@ def test_trie_matches_a_linear_scan_under_random_traffic():
                       and (len(k) < len(prompt) or e.last_logits.size > 0)]
             want = max(usable, key=len) if usable else None
             assert found(pc, prompt) == want, (prompt, list(pc.entries))
+            shared = max([_common(k, prompt) for k in pc.entries] + [0])
+            assert pc.shared_length(prompt) == shared, (prompt, list(pc.entries))
         assert pc.bytes == sum(e.nbytes for e in pc.entries.values()) <= 200
         stored = [node.entry.tokens for node in _nodes(pc.trie.root) if node.entry is not None]
         assert sorted(stored) == sorted(pc.entries)
         # Compressed: every node but the root holds an entry or branches.
         assert all(node.entry is not None or len(node.edges) >= 2 for node in _nodes(pc.trie.root)
                    if node is not pc.trie.root)
+
+
+def _common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_a_state_that_cannot_be_copied_is_skipped(monkeypatch):

@@ -6,6 +6,9 @@ the row's first token is sampled from the prompt's last logits (as in plain deco
 and the row joins the batch. The prefix cache seeds a prompt that continues an earlier
 one, and keeps the state at the end of every prompt.
 
+Where a prompt branches off the stored sequences (two conversations sharing a long
+system prompt), its prefill stops once to store the state there (`_checkpoint`).
+
 The MTP head runs over every prompt position too: each main-model hidden state is paired
 with the prompt token after it (across chunk boundaries, the last hidden of a chunk with
 the first token of the next), and every complete pair is fed to the head at once.
@@ -81,8 +84,13 @@ class Prefiller:
         todo = len(prompt) - 1 - row.done_prompt
         if todo > 0:
             n = min(todo, self.step - row.done_prompt % self.step)
+            if row.done_prompt < row.checkpoint:
+                n = min(n, row.checkpoint - row.done_prompt)
             self._forward(row, prompt[row.done_prompt : row.done_prompt + n], logits_needed=False)
             row.done_prompt += n
+            if row.done_prompt == row.checkpoint:
+                self.prefix_cache.store(prompt[: row.checkpoint], row.cache, row.head_cache, pending_array(row.pend),
+                                        row.pend_t, mx.zeros((0,)))
             return False
         if row.done_prompt < len(prompt):
             logits = self._forward(row, prompt[-1:], logits_needed=True)
@@ -115,6 +123,22 @@ class Prefiller:
         else:
             row.cache = adapter.make_cache(self.pieces.parts, 1)
             row.head_cache = adapter.make_head_cache(self.pieces.head, 1) if self.pieces.head is not None else None
+        row.checkpoint = self._checkpoint(row)
+
+    def _checkpoint(self, row: Row) -> int:
+        """Where the prompt branches off every stored sequence, if a state there is worth
+        storing: 0 otherwise.
+
+        Entries are only usable whole (Gated DeltaNet state cannot be cut back), so two
+        conversations with one long system prompt share nothing until a state at their
+        branch point is stored. The second such prompt stores it on the way (its prefill
+        stops there once), and every later one starts from it. A shared part shorter than
+        a chunk costs at most a chunk to prefill again."""
+        if self.prefix_cache.max_bytes <= 0:
+            return 0
+        branch = self.prefix_cache.shared_length(row.req.prompt)
+        worth = branch - row.done_prompt >= self.step and branch < len(row.req.prompt)
+        return branch if worth else 0
 
     def _forward(self, row: Row, tokens: List[int], logits_needed: bool) -> mx.array:
         """Run prompt tokens through the main model (and the head) -> logits [1, T, V],
@@ -129,8 +153,11 @@ class Prefiller:
             nh = pending_count(row.pend)
             row.pend.append((hidden[0], None, len(tokens)))
             # Pending hiddens cover positions [done - nh, done + len(tokens)); each pairs
-            # with the prompt token after it, where the prompt has one.
-            row.pend_t = row.req.prompt[done - nh + 1 : done + len(tokens) + 1]
+            # with the prompt token after it, where the prompt has one. At a checkpoint the
+            # last stays pending, as at a prompt's end: the stored state must not depend on
+            # the token after it (the prompts that share the state differ there).
+            end = done + len(tokens)
+            row.pend_t = row.req.prompt[done - nh + 1 : end if end == row.checkpoint else end + 1]
             n = len(row.pend_t)
             if n:
                 _, rest = head_pass(p.head, p.vocab, row.head_cache, [row.pend], [row.pend_t], [n])

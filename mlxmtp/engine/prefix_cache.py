@@ -2,8 +2,9 @@
 
 An entry is the complete decoder state after a token sequence: attention KV rows,
 Gated DeltaNet conv/recurrent state (which, unlike KV, cannot be cut back to a
-shorter prefix, so entries are stored at exact boundaries: the end of a prompt and
-the end of a finished request), the MTP head's cache and its pending inputs, and the
+shorter prefix, so entries are stored at exact boundaries: the end of a prompt, the
+end of a finished request, and where a prompt branches off the sequences stored before
+it, see prefill), the MTP head's cache and its pending inputs, and the
 logits after the last token. A hit restores all of it and prefills only the rest,
 so hit and miss give the same output. Bounded by bytes, least recently used first out.
 An entry owns compact copies of its arrays (a row's share of a batch's caches, never
@@ -96,6 +97,20 @@ class PrefixTrie:
                 return found
             node, depth = child, end
 
+    def shared_length(self, tokens: Tokens) -> int:
+        """How many leading tokens of `tokens` some stored sequence starts with too."""
+        node, depth = self.root, 0
+        while depth < len(tokens):
+            edge = node.edges.get(tokens[depth])
+            if edge is None:
+                return depth
+            label, child = edge
+            common = _common_length(label, tokens, depth)
+            if common < len(label):
+                return depth + common
+            node, depth = child, depth + common
+        return depth
+
     def insert(self, entry: PrefixEntry) -> None:
         key = entry.tokens
         node, depth = self.root, 0
@@ -173,6 +188,12 @@ class PrefixCache:
         self.hits += 1
         self.entries.move_to_end(best.tokens)
         return best
+
+    def shared_length(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` a stored sequence shares with it (where the
+        prompt branches off what was seen before; a state there serves later prompts that
+        share as much: see prefill)."""
+        return self.trie.shared_length(tuple(prompt)) if self.max_bytes > 0 else 0
 
     def store(self, tokens: List[int], cache: list, head_cache: Optional[list], pend_h, pend_t,
               last_logits: mx.array) -> None:

@@ -40,6 +40,7 @@ class Row:
     cache: Optional[list] = None
     head_cache: Optional[list] = None
     done_prompt: int = 0  # prompt tokens already fed
+    checkpoint: int = 0  # prefill stops here once to store its state (see prefill), 0: nowhere
     t0: float = 0.0  # when its prefill started
     last_logits: Optional[mx.array] = None  # [V] after the prompt's last token
     first_lp: Optional[list] = None  # the first token's logprob table row (see verify.logprob_table)
