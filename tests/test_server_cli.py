@@ -60,13 +60,27 @@ def test_serve_options_reach_the_app(tmp_path):
     assert state.knows_model("a1") and not state.knows_model("claude-x")
 
 
-def test_the_default_prefix_cache_budget_is_a_quarter_of_the_device_memory():
+def test_the_default_prefix_cache_budget_leaves_room_for_the_model():
+    """A quarter of the device's memory, and at most half of what the weights leave."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with mock.patch("mlx.core.device_info", return_value={"device_name": "cpu"}):
         assert default_budget() == physical // 4
-    metal = {"memory_size": 64 << 30, "max_recommended_working_set_size": 48 << 30}
-    with mock.patch("mlx.core.device_info", return_value=metal):
-        assert default_budget() == 12 << 30
+    with mock.patch("mlx.core.device_info", return_value={"memory_size": 128 << 30}):
+        assert default_budget(54 << 30) == 32 << 30  # a bf16 27B model
+        assert default_budget(110 << 30) == 9 << 30  # one that nearly fills the machine
+        assert default_budget(130 << 30) == 0
+
+
+def test_the_served_model_s_weights_reach_the_default_budget(tmp_path):
+    from mlxmtp.models.load import load
+    from mlxmtp.server.app import _weight_bytes, engine_options
+
+    model, _ = load(str(write_hf_checkpoint(tmp_path / "m", "qwen3_5")))
+    weights = _weight_bytes(model)
+    assert weights > 0
+    with mock.patch("mlx.core.device_info", return_value={"memory_size": weights * 6 // 5}):
+        options = engine_options(model, True, None, 8, None, False)
+    assert options["prefix_cache_bytes"] == (weights * 6 // 5 - weights) // 2
 
 
 def test_serve_defaults(tmp_path, caplog):
@@ -75,7 +89,7 @@ def test_serve_defaults(tmp_path, caplog):
     with mock.patch(RUN) as run:
         res = CliRunner().invoke(main, ["serve", "--model", str(path)], env={"MLXMTP_API_KEY": None})
     assert res.exit_code == 0, res.output
-    assert f"prefix cache: up to {default_budget() >> 20} MiB" in caplog.text
+    assert f"prefix cache: up to {default_budget() >> 20} MiB" in caplog.text  # the fixture's weights are tiny
     with mock.patch(RUN):
         res = CliRunner().invoke(main, ["serve", "--model", str(path), "--prefix-cache-mb", "5"])
     assert res.exit_code == 0 and "prefix cache: up to 5 MiB" in caplog.text

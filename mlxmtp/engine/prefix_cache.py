@@ -39,17 +39,14 @@ Tokens = Tuple[int, ...]
 log = logging.getLogger("mlxmtp")
 
 
-def default_budget() -> int:
-    """Bytes for the prefix cache when none is given: a quarter of the memory the device
-    can use (Metal's recommended working set where MLX reports it, else the machine's
-    memory). A long agent prompt's state on a large model takes gigabytes (Qwen3.5-27B
-    keeps 64 KiB of KV per token: 1.25 GiB for 20K tokens), so a small fixed budget
-    would store none of them."""
-    info = mx.device_info()
-    total = info.get("max_recommended_working_set_size") or info.get("memory_size")
-    if not total:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(total) // 4
+def default_budget(weights: int = 0) -> int:
+    """Bytes for the prefix cache when none is given: a quarter of the device's memory,
+    and at most half of what the model's weights (`weights` bytes) leave of it, so a
+    model that nearly fills the machine keeps room for its running requests. A long
+    agent prompt's state on a large model takes gigabytes (Qwen3.5-27B keeps 64 KiB of
+    KV per token: 1.25 GiB for 20K tokens), so a small fixed budget would store none."""
+    total = mx.device_info().get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, min(int(total) // 4, (int(total) - weights) // 2))
 
 
 @dataclass

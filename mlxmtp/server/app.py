@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
@@ -116,7 +117,7 @@ def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concur
                    prefix_cache_mb: Optional[int], pipeline_drafts: bool, compile_steps: bool = False) -> dict:
     """The server's engine settings (every rank of a distributed server builds its engine
     from these); `prefix_cache_mb` None: the machine's default (prefix_cache.default_budget)."""
-    budget = default_budget() if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
+    budget = default_budget(_weight_bytes(model)) if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
     return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
                 prefix_cache_bytes=budget, pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
 
@@ -180,6 +181,13 @@ async def _server_error(request: HTTPRequest, exc: Exception):
 
 
 _EXCEPTION_HANDLERS = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
+
+
+def _weight_bytes(model) -> int:
+    arrays = [model.parameters()]
+    if isinstance(model, MTPModel) and model.head is not None:
+        arrays.append(model.head.parameters())
+    return sum(a.nbytes for _, a in tree_flatten(arrays))
 
 
 def _materialize(model) -> None:

@@ -32,7 +32,7 @@ log = logging.getLogger("mlxmtp.server")
               help="Largest request body in MiB; bigger ones get 413.")
 @click.option("--prefix-cache-mb", default=None, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off; default: a "
-                   "quarter of the memory the device can use).")
+                   "quarter of the device's memory, at most half of what the model's weights leave).")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
               help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health "
                    "(also MLXMTP_API_KEY; an empty key is refused).")
