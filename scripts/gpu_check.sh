@@ -12,7 +12,8 @@
 # compiled (greedy, depths 2 and 3 with and without compile_steps, side by side, and the
 # cycle profile with compile_steps), verify (bench/verify_forward.py: the verify forward
 # against mlx-lm's own T-token forward), batch (bench/batch.py: concurrency 1, 4, 8, MTP off
-# and adaptive, and a running stream's longest gap while requests join).
+# and adaptive, and a running stream's longest gap while requests join), prefix (the prefix
+# cache's tests: entries own their memory, branch points).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -55,6 +56,8 @@ for check in "$@"; do
         verify) timeout 60 python3 bench/verify_forward.py 2>&1 | tee "$OUT/verify_forward.md" ;;
         batch) timeout 120 python3 bench/batch.py --concurrency 1,4,8 --rounds 2 2>&1 | tee "$OUT/batch.md" ;;
         vocab) timeout 60 python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md" ;;
+        prefix) MLX_ENABLE_TF32=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_cache.py \
+                    tests/test_batching.py -k "prefix or branch" 2>&1 | tee "$OUT/prefix.txt" ;;
         *) echo "unknown check: $check" ;;
     esac
 done
