@@ -89,16 +89,19 @@ class Prefiller:
             self._forward(row, prompt[row.done_prompt : row.done_prompt + n], logits_needed=False)
             row.done_prompt += n
             if row.done_prompt == row.checkpoint:
-                self.prefix_cache.store(prompt[: row.checkpoint], row.cache, row.head_cache, pending_array(row.pend),
-                                        row.pend_t, mx.zeros((0,)))
+                self._store(row, None)  # only ever a strict prefix of the prompts it serves
             return False
         if row.done_prompt < len(prompt):
             logits = self._forward(row, prompt[-1:], logits_needed=True)
             row.done_prompt = len(prompt)
             row.last_logits = logits[0, -1]
-            self.prefix_cache.store(prompt, row.cache, row.head_cache, pending_array(row.pend), row.pend_t,
-                                    row.last_logits)
+            self._store(row, row.last_logits)
         return True
+
+    def _store(self, row: Row, last_logits) -> None:
+        """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache."""
+        self.prefix_cache.store(row.req.prompt[: row.done_prompt], row.cache, row.head_cache,
+                                pending_array(row.pend), row.pend_t, last_logits)
 
     def _first_token(self, row: Row, events: List[Event]) -> bool:
         """Sample and emit the first token; True if that already finished the request."""
@@ -134,8 +137,6 @@ class Prefiller:
         branch point is stored. The second such prompt stores it on the way (its prefill
         stops there once), and every later one starts from it. A shared part shorter than
         a chunk costs at most a chunk to prefill again."""
-        if self.prefix_cache.max_bytes <= 0:
-            return 0
         branch = self.prefix_cache.shared_length(row.req.prompt)
         worth = branch - row.done_prompt >= self.step and branch < len(row.req.prompt)
         return branch if worth else 0

@@ -193,9 +193,14 @@ class PrefixCache:
         return self.trie.shared_length(tuple(prompt)) if self.max_bytes > 0 else 0
 
     def store(self, tokens: List[int], cache: list, head_cache: Optional[list], pend_h, pend_t,
-              last_logits: mx.array) -> None:
+              last_logits: Optional[mx.array]) -> None:
+        """Keep the state after `tokens`; `last_logits` None: stored without (a strict prefix only)."""
         if self.max_bytes <= 0 or not tokens:
             return
+        if last_logits is None:
+            # Made here, on the engine's thread: an array made on another thread (at import)
+            # cannot be evaluated on this one.
+            last_logits = mx.zeros((0,))
         key = tuple(tokens)
         if key in self.entries:
             self.entries.move_to_end(key)

@@ -13,8 +13,6 @@ import threading
 from collections import deque
 from typing import Callable, List, Set, Tuple
 
-import mlx.core as mx
-
 from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import failed
@@ -112,6 +110,4 @@ def store_finished(prefix_cache: PrefixCache, batch: Batch, b: int) -> None:
     pend_h = pending_array(row.pend) if with_head else None
     if pend_h is not None:
         pend_h = pend_h[: len(pend_t) + 1]
-    # (Made here, not at import: an array built on one thread cannot be evaluated on
-    # another, and the engine runs on a thread of its own.)
-    prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, mx.zeros((0,)))
+    prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, None)

@@ -183,20 +183,22 @@ async def _server_error(request: HTTPRequest, exc: Exception):
 _EXCEPTION_HANDLERS = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
 
 
-def _weight_bytes(model) -> int:
+def _weights(model) -> list:
+    """The model's parameters and its MTP head's (which `model.parameters()` leaves out)."""
     arrays = [model.parameters()]
     if isinstance(model, MTPModel) and model.head is not None:
         arrays.append(model.head.parameters())
-    return sum(a.nbytes for _, a in tree_flatten(arrays))
+    return arrays
+
+
+def _weight_bytes(model) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(_weights(model)))
 
 
 def _materialize(model) -> None:
     """Evaluate every weight here, so no lazy graph recorded on this thread's MLX stream
     reaches the engine thread (streams are per thread)."""
-    arrays = [model.parameters()]
-    if isinstance(model, MTPModel) and model.head is not None:
-        arrays.append(model.head.parameters())
-    mx.eval(arrays)
+    mx.eval(_weights(model))
 
 
 class _Outer:

@@ -55,13 +55,16 @@ class Metrics:
         """Read the prefix cache's size and lookups at each scrape (not per decode step);
         `current()`: the running engine's PrefixCache, or None."""
 
-        def read(attr: str) -> Callable[[], float]:
-            return lambda: float(_size(current(), attr))
+        def read(field: Callable[[PrefixCache], int]) -> Callable[[], float]:
+            def value() -> float:
+                cache = current()
+                return float(field(cache)) if cache is not None else 0.0
+            return value
 
-        self.prefix_cache_bytes.set_function(read("bytes"))
-        self.prefix_cache_entries.set_function(read("entries"))
-        self.prefix_cache_lookups.labels("hit").set_function(read("hits"))
-        self.prefix_cache_lookups.labels("miss").set_function(read("misses"))
+        self.prefix_cache_bytes.set_function(read(lambda c: c.bytes))
+        self.prefix_cache_entries.set_function(read(lambda c: len(c.entries)))
+        self.prefix_cache_lookups.labels("hit").set_function(read(lambda c: c.hits))
+        self.prefix_cache_lookups.labels("miss").set_function(read(lambda c: c.misses))
 
     def on_step(self, engine, decoded: bool) -> None:
         """From the engine thread after every step."""
@@ -89,10 +92,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _size(cache: Optional[PrefixCache], attr: str) -> int:
-    if cache is None:
-        return 0
-    value = getattr(cache, attr)
-    return len(value) if attr == "entries" else value
