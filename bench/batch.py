@@ -11,7 +11,9 @@ meaningful.
 Then, for the latency of several agents at once: the longest gap in a running stream
 while 1, 3 or 7 requests join it (their prefills run between its cycles).
 
-    python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16] [--rounds 3]
+    python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16] [--rounds 3] [--temp 0.6]
+
+`--temp`: every request samples at that temperature (seeded: the same tokens on both sides).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.load import load
 
 PROMPTS = [
@@ -37,13 +40,14 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def run(model, tok, n, max_tokens, mtp):
+def run(model, tok, n, max_tokens, mtp, temp=0.0):
     eng = BatchGenerator(model, tok, enable_mtp=mtp, max_batch=max(n, 1))
     t0 = time.perf_counter()
     first, last, gaps, counts = {}, {}, [], {}
     ids = []
     for i in range(n):
-        ids.append(eng.submit(Request(prompt=tok.encode(PROMPTS[i % len(PROMPTS)]), max_tokens=max_tokens)))
+        ids.append(eng.submit(Request(prompt=tok.encode(PROMPTS[i % len(PROMPTS)]), max_tokens=max_tokens,
+                                      params=SamplingParams(temperature=temp, seed=i))))
     batch_sizes, stats = [], {}
     while eng.has_work:
         evs = eng.step()
@@ -103,18 +107,20 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=100)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature of every request")
     args = ap.parse_args()
     model, tok = load(args.model)
     BatchGenerator(model, tok).calibrate(1)  # what the server does at start-up
     run(model, tok, 2, 10, True)  # warm-up
-    print(f"model: {args.model or 'demo'}   max_tokens={args.max_tokens}   rounds={args.rounds} (medians)")
+    print(f"model: {args.model or 'demo'}   temp={args.temp}   max_tokens={args.max_tokens}   "
+          f"rounds={args.rounds} (medians)")
     print(f"{'conc':>4} {'MTP':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50 ms':>10} "
           f"{'p95':>7} {'accept':>7} {'batch':>6} {'on/off':>7} {'range':>10}")
     for n in [int(x) for x in args.concurrency.split(",")]:
         res = {"off": [], "on": []}
         for r in range(args.rounds):
             for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                res[name].append(run(model, tok, n, args.max_tokens, name == "on"))
+                res[name].append(run(model, tok, n, args.max_tokens, name == "on", args.temp))
         ratios = [on["agg_tps"] / off["agg_tps"] for on, off in zip(res["on"], res["off"])]
         for name, rs in res.items():
             m = {key: statistics.median(r[key] for r in rs) for key in rs[0]}

@@ -11,6 +11,7 @@ first only), and the host/device split of single forwards of T = 1..5 tokens.
     python bench/cycle_profile.py                 # demo model
     python bench/cycle_profile.py --model PATH --max-tokens 100
     python bench/cycle_profile.py --compile-steps  # the head's steps and the accept step compiled
+    python bench/cycle_profile.py --temp 0.6       # sampled: the draft and accept steps of sampled rows
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mlxmtp.engine import batch as batch_mod
 from mlxmtp.engine import cycle
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import generate
+from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
@@ -59,14 +61,15 @@ def instrument(times):
     return undo
 
 
-def profile_depth(model, tok, prompt, k, max_tokens, compile_steps=False):
-    """One request at depth k -> {part: ms per cycle}, tokens per cycle, tok/s."""
+def profile_depth(model, tok, prompt, k, max_tokens, compile_steps=False, temp=0.0):
+    """One request at depth k (sampled at `temp`) -> {part: ms per cycle}, tokens per cycle, tok/s."""
     times = {p: 0.0 for p in PARTS if p != "other"}
     engine = BatchGenerator(model, tok, enable_mtp=True, num_draft=k, profile=True, compile_steps=compile_steps)
     undo = instrument(times)
     try:
         t = time.perf_counter()
-        res = generate(model, tok, prompt, max_tokens=max_tokens, engine=engine)
+        res = generate(model, tok, prompt, max_tokens=max_tokens, engine=engine,
+                       params=SamplingParams(temperature=temp, seed=0))
         wall = time.perf_counter() - t - res.stats.prefill_seconds
     finally:
         undo()
@@ -111,9 +114,9 @@ def new_lengths(model, tok, k, lengths, max_tokens, compile_steps=False):
     return rows
 
 
-def mlx_lm_speed(ref, tok, prompt, max_tokens):
+def mlx_lm_speed(ref, tok, prompt, max_tokens, temp=0.0):
     n, first = 0, None
-    for _ in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.0)):
+    for _ in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=temp)):
         n += 1
         if first is None:
             first = time.perf_counter()
@@ -126,22 +129,24 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--depths", default="0,1,2,3,4")
     ap.add_argument("--compile-steps", action="store_true")
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature of the profiled requests")
     args = ap.parse_args()
-    compiled = args.compile_steps
+    compiled, temp = args.compile_steps, args.temp
     path = args.model or str(demo_model_path())
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompt = tok.encode(next(iter(HELD_OUT_PROMPTS.values())))
     depths = [int(d) for d in args.depths.split(",")]
     for k in depths:  # warm-up
-        profile_depth(model, tok, prompt, k, 20, compiled)
-    mlx_lm_speed(ref, tok, prompt, 20)
-    print(f"device: {mx.default_device()}   mlx-lm: {mlx_lm_speed(ref, tok, prompt, args.max_tokens):.1f} tok/s"
+        profile_depth(model, tok, prompt, k, 20, compiled, temp)
+    mlx_lm_speed(ref, tok, prompt, 20, temp)
+    print(f"device: {mx.default_device()}   temp {temp}   "
+          f"mlx-lm: {mlx_lm_speed(ref, tok, prompt, args.max_tokens, temp):.1f} tok/s"
           + ("   (compile_steps)" if compiled else ""))
     print("| k | " + " | ".join(PARTS) + " | ms/cycle | tok/cycle | ms/token | tok/s |")
     print("|---" * (len(PARTS) + 5) + "|")
     for k in depths:
-        per, tpc, tps = profile_depth(model, tok, prompt, k, args.max_tokens, compiled)
+        per, tpc, tps = profile_depth(model, tok, prompt, k, args.max_tokens, compiled, temp)
         total = sum(per.values())
         print(f"| {k} | " + " | ".join(f"{per[p]:.2f}" for p in PARTS)
               + f" | {total:.2f} | {tpc:.2f} | {total / tpc:.2f} | {tps:.1f} |")

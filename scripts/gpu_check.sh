@@ -7,7 +7,9 @@
 #   bash scripts/gpu_check.sh stage1                  # first transfer: keeps .gpu/partaa there
 #   bash scripts/gpu_check.sh stage2 profile decode tests vocab   # second transfer: unpack, run
 #
-# Checks: profile (bench/cycle_profile.py), greedy (bench/decode.py at temperature 0),
+# Checks: profile (bench/cycle_profile.py), sampled (the same at temperature 0.6,
+# decode.py's adaptive depth at 0.6 against MTP off, and bench/batch.py's 4 and 8 sampled
+# requests at once), greedy (bench/decode.py at temperature 0),
 # decode (temperatures 0 and 0.6), tests (the exactness tests), vocab (bench/draft_vocab.py),
 # compiled (greedy, depths 2 and 3 with and without compile_steps, side by side, and the
 # cycle profile with compile_steps), verify (bench/verify_forward.py: the verify forward
@@ -41,6 +43,11 @@ python3 -c "import mlx.core as mx; print(mx.default_device())" | tee "$OUT/devic
 for check in "$@"; do
     case $check in
         profile) timeout 80 python3 bench/cycle_profile.py 2>&1 | tee "$OUT/profile.md" ;;
+        sampled) timeout 80 python3 bench/cycle_profile.py --temp 0.6 2>&1 | tee "$OUT/profile_sampled.md"
+                 timeout 150 python3 bench/decode.py --models demo --temps 0.6 --depths "" --rounds "$ROUNDS" \
+                     --markdown 2>&1 | tee "$OUT/decode_sampled.md"
+                 timeout 90 python3 bench/batch.py --concurrency 4,8 --rounds 2 --temp 0.6 2>&1 \
+                     | tee "$OUT/batch_sampled.md" ;;
         greedy) timeout 150 python3 bench/decode.py --models demo --temps 0 --rounds "$ROUNDS" --markdown 2>&1 \
                     | tee "$OUT/decode_greedy.md" ;;
         decode) timeout 300 python3 bench/decode.py --models demo --temps 0,0.6 --rounds "$ROUNDS" --markdown 2>&1 \

@@ -11,8 +11,9 @@ from mlxmtp.engine.policy import Policy
 
 
 def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None,
-             switch=0.0):
-    """Drive a policy with cycles whose cost is cost(k) * speed(i), seen through lognormal
+             switch=0.0, by_class=False):
+    """Drive a policy with cycles whose cost is cost(k) * speed(i) (`by_class`: cost(k, class)),
+    seen through lognormal
     noise, and whose drafts are kept with probability accept (a number, or a list per
     position; a function of the cycle for changing content), the rows being of acceptance
     class cls(i); the first drafting cycle after plain decoding costs `switch` more. Returns
@@ -28,7 +29,7 @@ def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, b
         a = a if isinstance(a, list) else [a] * k
         kept = [next((j for j in range(k) if rng.random() >= a[j]), k) for _ in range(batch)]
         switched = prev == 0 and k > 0
-        t = (cost(k) + switch * switched) * speed(i)
+        t = (cost(k, cls(i)) if by_class else cost(k) + switch * switched) * speed(i)
         # Like the engine: the first cycle after a switch between plain and drafting is not
         # timed as a cycle; into drafting, its time is reported as the switch's.
         timed = prev is not None and (prev == 0) == (k == 0)
@@ -95,7 +96,7 @@ def test_a_depth_measured_once_does_not_make_drafting_look_worth_probing():
     # perfect drafts would pay; only depths measured a few times may decide that nothing
     # can pay (the 4-bit demo had a probe that way).
     pol = DepthPolicy()
-    table = pol._costs(1)
+    table = pol._costs((1, "greedy"))
     for i in range(8):
         table.add(0, 1.0, 2 * i)
         table.add(1, 2.1, 2 * i + 1)
@@ -173,6 +174,35 @@ def test_greedy_and_sampled_requests_are_learnt_apart(seed):
         assert sum(rates[k] for k in tail) / len(tail) > 0.96 * max(rates.values()), c
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampled_batches_are_priced_apart_from_greedy_ones(seed):
+    # The same acceptance, but a sampled cycle's draft and accept steps cost far more than
+    # a greedy one's (per-row distributions, draws and rejection sampling): drafting pays
+    # for greedy batches (k = 4 makes 1.77x plain decoding) and loses for sampled ones (the
+    # best depth, k = 2, makes 0.98x). Requests alternate every 200 cycles. With one cost
+    # table for both, sampled stretches kept the greedy regime's depth (the pairs that
+    # would correct it come from rare probes) and made 0.93-0.95x of plain decoding.
+    cheap, dear = [1.0, 1.3, 1.5, 1.7, 1.9], [1.0, 1.9, 2.5, 3.1, 3.7]
+    cost = lambda k, c: (cheap if c == "greedy" else dear)[k]  # noqa: E731
+    cls = lambda i: "greedy" if (i // 200) % 2 == 0 else "sampled"  # noqa: E731
+    chosen, _ = simulate(cost, 0.8, cycles=1600, noise=0.07, seed=seed, cls=cls, by_class=True)
+    for c in ("greedy", "sampled"):
+        rates = {k: expected_tokens([0.8] * 4, k) / cost(k, c) for k in range(5)}
+        tail = [k for i, k in enumerate(chosen) if i >= 400 and cls(i) == c and i % 200 >= 50]
+        assert sum(rates[k] for k in tail) / len(tail) > 0.96 * max(rates.values()), c
+        if c == "sampled":
+            assert tail.count(0) > 0.9 * len(tail)
+
+
+def test_seeded_costs_of_each_kind_price_their_own_batches():
+    policy = DepthPolicy(max_depth=3)
+    policy.seed_costs(1, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, "greedy")
+    policy.seed_costs(1, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, "sampled")
+    assert policy.choose(1, 100, ["greedy"]) > 0
+    assert policy.choose(1, 100, ["sampled"]) == 0
+    assert policy.choose(1, 100, ["greedy", "sampled"]) == 0  # one sampled row makes a sampled cycle
+
+
 def test_a_depth_first_tried_from_plain_decoding_gets_measured():
     # Right after calibration the regime is plain decoding and the depth that looks best
     # has never been measured: its probe alternates with k = 1, so that a ratio of
@@ -184,7 +214,7 @@ def test_a_depth_first_tried_from_plain_decoding_gets_measured():
         pol.update(k, 1, cost[k] if prev is not None and (prev == 0) == (k == 0) else None, [k])  # all kept
         prev = k
     assert pol.regime == 4
-    c = pol.costs[1].costs([1, 4])
+    c = pol.costs[1, "greedy"].costs([1, 4])
     assert c[4] / c[1] == pytest.approx(1.4 / 1.1, rel=1e-6)  # measured, not extrapolated
 
 

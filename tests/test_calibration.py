@@ -22,8 +22,10 @@ def test_measured_costs_cover_every_depth(fixture_model, batch_size, pipelined):
     BatchGenerator(model, tok)  # prepares the model (Gated DeltaNet capture)
     costs = calibration.measure_cycle_costs(model_pieces(model, True), batch_size, 4, shape_stable=True,
                                             pipelined=pipelined)
-    assert sorted(costs) == [0, 1, 2, 3, 4]
-    assert all(c > 0 for c in costs.values())
+    assert sorted(costs) == ["greedy", "sampled"]
+    for seconds in costs.values():
+        assert sorted(seconds) == [0, 1, 2, 3, 4]
+        assert all(c > 0 for c in seconds.values())
 
 
 def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypatch):
@@ -38,7 +40,8 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
         assert res.token_ids == reference_greedy(ref, prompt, 40)
         assert adaptive.CALIBRATING not in res.stats.depth_reasons
     assert calls == [1]
-    assert all(c is not None for c in eng.policy.costs[1].costs(range(5)).values())
+    for kind in ("greedy", "sampled"):
+        assert all(c is not None for c in eng.policy.costs[1, kind].costs(range(5)).values())
 
 
 def test_pinned_depths_do_not_calibrate(fixture_model, monkeypatch):
@@ -90,6 +93,6 @@ def test_new_batch_sizes_learn_their_costs_without_a_calibration(fixture_model, 
     assert calls == [1]
     assert adaptive.CALIBRATING in reasons  # bucket 4 measured live, while decoding
     policy = eng.policy
-    assert all(policy.costs[4].samples(k) >= policy.cfg.min_samples for k in (0, 1))
+    assert all(policy.costs[4, "greedy"].samples(k) >= policy.cfg.min_samples for k in (0, 1))
     for i, p in zip(ids, prompts):
         assert out[i] == reference_greedy(ref, p, 30)

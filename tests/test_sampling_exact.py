@@ -1,6 +1,9 @@
 """Speculative sampling keeps the target distribution exactly (chi-square tests), and a
 deliberately biased acceptance rule (keep a draft iff it is the target's argmax) is caught."""
 
+import io
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -76,12 +79,15 @@ def test_temperature_only_sampler_is_mlx_lms_distribution(dtype):
     want = lp / temp - mx.logsumexp(lp / temp, axis=-1, keepdims=True)
     for s in (fast, slow):
         assert mx.allclose(s.logprobs(logits).astype(mx.float32), want, atol=2e-2 if dtype == mx.float16 else 1e-5)
-    draws = np.array(mx.stack([fast.draw(logits) for _ in range(N)]))  # [N, 2]
-    for row in range(2):
-        counts = np.bincount(draws[:, row], minlength=V)
-        expected = np.exp(np.array(want[row])) * N
-        stat = (((counts - expected) ** 2) / expected).sum()
-        assert stat < CHI2_999[V - 1], (row, stat)
+    assert mx.allclose(fast.pick(logits)[1].astype(mx.float32), want, atol=2e-2 if dtype == mx.float16 else 1e-5)
+    # Plain decoding's draw, and a draft's (which also returns its q), batched over rows.
+    for draw in (fast.draw, lambda lg: fast.pick(lg)[0]):
+        draws = np.array(mx.stack([draw(logits) for _ in range(N)]))  # [N, 2]
+        for row in range(2):
+            counts = np.bincount(draws[:, row], minlength=V)
+            expected = np.exp(np.array(want[row])) * N
+            stat = (((counts - expected) ** 2) / expected).sum()
+            assert stat < CHI2_999[V - 1], (row, stat)
 
 
 class OracleDraftEngine(BatchGenerator):
@@ -101,7 +107,7 @@ class OracleDraftEngine(BatchGenerator):
                 q = mx.log(0.8 * p + 0.2 / p.shape[-1])
                 toks.append(mx.random.categorical(q, key=r.sampler.next_key())[0])
                 qs.append(q[0])
-            return mx.stack(toks), qs
+            return mx.stack(toks), mx.stack(qs)
 
         return pick
 
@@ -203,3 +209,67 @@ def test_vectorised_accept_equals_each_row_alone():
         kept_s, tokens_s = accept_sampled(p[s], q[s], drafts[s], keys[s])
         assert kept[s].item() == kept_s.item() and tokens[s].tolist() == tokens_s.tolist()
     assert len(set(kept.tolist())) > 1  # rows kept different numbers of drafts
+
+
+def _run_together(model, tok, requests, **engine_options):
+    eng = BatchGenerator(model, tok, max_batch=8, prefix_cache_bytes=0, **engine_options)
+    ids = [eng.submit(r) for r in requests]
+    out = {i: [] for i in ids}
+    while eng.has_work:
+        for ev in eng.step():
+            out[ev.request_id] += ev.token_ids
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("num_draft", [0, 3])
+def test_a_seeded_sampled_row_draws_the_same_alone_or_in_any_batch(tiny_vocab_model, num_draft):
+    """A seeded request's tokens depend on its own key alone: the same alone, in a batch of
+    temperature-only and greedy rows (decided by the vectorised steps), and in a batch
+    with a row that has a logits processor (decided row by row)."""
+    model, tok = tiny_vocab_model
+    opts = dict(enable_mtp=num_draft > 0, num_draft=num_draft or None)
+
+    def mine():
+        return Request(prompt=[5, 17, 42, 9, 33, 2], max_tokens=24, params=SamplingParams(temperature=0.9, seed=11))
+
+    def others(penalty):
+        return [Request(prompt=[3, 8, 1], max_tokens=24, params=SamplingParams(temperature=0.0)),
+                Request(prompt=[7, 7, 2, 40], max_tokens=24,
+                        params=SamplingParams(temperature=1.3, seed=2, repetition_penalty=penalty))]
+
+    alone = _run_together(model, tok, [mine()], **opts)[0]
+    plain = _run_together(model, tok, [others(None)[0], mine(), others(None)[1]], **opts)[1]
+    mixed = _run_together(model, tok, [others(1.2)[1], mine()], **opts)[1]
+    assert len(alone) == 24
+    assert plain == alone and mixed == alone
+
+
+def _graph_nodes(*arrays) -> int:
+    out = io.StringIO()
+    mx.export_to_dot(out, *arrays)
+    return len(re.findall(r'label\s*=\s*"[A-Za-z]', out.getvalue()))
+
+
+def test_a_batch_of_sampled_rows_is_drafted_and_decided_by_one_set_of_ops():
+    """Temperature-only rows draw their drafts and are accepted in vectorised steps: eight
+    rows build about as many operations as one (row by row, each row added its own dozens,
+    which a GPU pays in kernel launches every cycle)."""
+    from mlxmtp.engine.verify import VerifyMetadata, accept, picker
+
+    k, V = 3, 500
+
+    def nodes(B):
+        samplers = [RowSampler(SamplingParams(temperature=0.7, seed=b)) for b in range(B)]
+        logits = mx.random.normal((B, k + 1, V), key=mx.random.key(B))
+        mx.eval(logits, *[s.key for s in samplers])
+        tok, q = picker(samplers, [[0]] * B, [0] * B)(0, logits[:, 0], mx.zeros((B, 0), mx.int32))
+        drafts = mx.zeros((B, k), mx.int32)
+        qs = mx.broadcast_to(q[:, None], (B, k, V))
+        kept, tokens, _ = accept(VerifyMetadata(drafts, qs, samplers, [[0]] * B, [0] * B, None), logits)
+        return _graph_nodes(tok, q), _graph_nodes(kept, tokens)
+
+    (pick1, accept1), (pick8, accept8) = nodes(1), nodes(8)
+    # What each further row adds is a few views of its key (row by row it added ~40 nodes
+    # to each step).
+    assert pick8 - pick1 <= 7 * 3 and accept8 - accept1 <= 7 * 8, (pick1, pick8, accept1, accept8)
+

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
-from ..engine.policy import Policy
+from ..engine.policy import GREEDY, Policy
 from .channel import Channel
 
 
@@ -69,5 +69,5 @@ class SharedPolicy(Policy):
             self._costs_known.add(batch_size)
         return needed
 
-    def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
-        self.inner.seed_costs(batch_size, seconds)
+    def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
+        self.inner.seed_costs(batch_size, seconds, kind)

@@ -3,10 +3,10 @@
 Expected tokens from one cycle of depth k, per row, with a_i the probability that
 draft i is kept given drafts 1..i-1 were:  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j.
 k* = argmax E(k) / c(k), where c(k) is the cost of a cycle of depth k (per batch size
-bucket); drafting must beat plain decoding by `margin` (a switch to or from plain
-decoding has costs of its own, and noise must never buy a slower setting) and another
-drafting depth must beat the current one by `hysteresis`. A batch's E(k) is the mean
-over its rows.
+bucket, and apart for greedy batches and batches with a sampled row: `cost_key`);
+drafting must beat plain decoding by `margin` (a switch to or from plain decoding has
+costs of its own, and noise must never buy a slower setting) and another drafting depth
+must beat the current one by `hysteresis`. A batch's E(k) is the mean over its rows.
 
 The pieces: `acceptance.Acceptance` learns a_i per class of request and per depth;
 `cycle_costs.CycleCosts` holds c(k) as ratios between neighbouring cycles, so that the
@@ -15,7 +15,7 @@ a + b*k through those that were), and `cycle_costs.SwitchCosts` the extra cost o
 switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
 depths than the chosen one. Plain decoding and k = 1 are calibrated first, in
 alternating blocks, unless the engine seeded the costs (engine/calibration.py: the
-first batch bucket only).
+first batch bucket only, both kinds).
 
 On a backend where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0)
 for every k > 0 and the policy settles on 0: as fast as MTP off, up to the probe cycles,
@@ -25,13 +25,13 @@ which are then rare (not even perfect drafts could pay).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from . import probes
 from .acceptance import Acceptance
 from .cycle_costs import CycleCosts, SwitchCosts
 from .limits import MAX_DRAFT_DEPTH
-from .policy import Policy
+from .policy import GREEDY, Policy, cost_kind
 
 
 def _bucket(batch_size: int) -> int:
@@ -39,6 +39,13 @@ def _bucket(batch_size: int) -> int:
     while b < batch_size:
         b *= 2
     return b
+
+
+def cost_key(batch_size: int, classes: Optional[Sequence[Hashable]] = None) -> Tuple[int, str]:
+    """Which cost table prices a cycle: (batch-size bucket, the batch's kind). A batch with a
+    sampled row runs the sampled draft and accept steps (per-row distributions, random
+    draws, rejection sampling), more work per cycle than the argmax a greedy batch needs."""
+    return _bucket(batch_size), cost_kind(classes)
 
 
 @dataclass
@@ -73,11 +80,13 @@ class DepthPolicy(Policy):
         self.cfg = cfg = config or PolicyConfig()
         self.why = ""  # the reason for the last choice (one of the constants above)
         self.accept = Acceptance(self.max_depth, cfg.prior_accept, cfg.prior_weight, cfg.depth_weight, cfg.decay)
-        self.costs: Dict[int, CycleCosts] = {}  # per batch-size bucket
-        self.switch = SwitchCosts(cfg.window)  # in plain cycles, per batch-size bucket
+        self.costs: Dict[Tuple[int, str], CycleCosts] = {}  # per cost_key: batch bucket and kind
+        self.switch = SwitchCosts(cfg.window)  # in plain cycles, per cost_key
         self.cycles = 0
-        self.regime = 0  # the depth chosen outside probes
-        self._calibration: Dict[int, int] = {}  # bucket -> calibration cycles so far
+        self.regime = 0  # the depth chosen outside probes, for the table in use (`_key`)
+        self._key: Optional[Tuple[int, str]] = None  # the cost_key of the last choice
+        self._regimes: Dict[Tuple[int, str], int] = {}  # the regime of every other table
+        self._calibration: Dict[Tuple[int, str], int] = {}  # cost_key -> calibration cycles so far
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
@@ -92,12 +101,12 @@ class DepthPolicy(Policy):
         return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
                 and not any(c.samples(0) >= self.cfg.min_samples for c in self.costs.values()))
 
-    def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
-        """Calibrated seconds per cycle of each depth at this batch size, as prior samples
-        (`min_samples` each: the depths count as measured at once, and the policy skips its
-        calibration blocks); the cycles timed from now on join and outweigh them."""
-        bucket = _bucket(batch_size)
-        self._costs(bucket).seed(seconds, self.cfg.min_samples)
+    def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
+        """Calibrated seconds per cycle of each depth at this batch size for batches of this
+        kind, as prior samples (`min_samples` each: the depths count as measured at once, and
+        the policy skips its calibration blocks); the cycles timed from now on join and
+        outweigh them."""
+        self._costs((_bucket(batch_size), kind)).seed(seconds, self.cfg.min_samples)
 
     def acceptance(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k (see Acceptance)."""
@@ -107,13 +116,13 @@ class DepthPolicy(Policy):
         """E(k) per row for k = 0..max_depth, averaged over the rows' classes."""
         return self.accept.expected_tokens(optimistic, classes)
 
-    def _costs(self, bucket: int) -> CycleCosts:
-        if bucket not in self.costs:
-            self.costs[bucket] = CycleCosts(window=self.cfg.window)
-        return self.costs[bucket]
+    def _costs(self, key: Tuple[int, str]) -> CycleCosts:
+        if key not in self.costs:
+            self.costs[key] = CycleCosts(window=self.cfg.window)
+        return self.costs[key]
 
-    def _calibrated(self, bucket: int, k: int) -> bool:
-        return self._costs(bucket).samples(k) >= self.cfg.min_samples
+    def _calibrated(self, key: Tuple[int, str], k: int) -> bool:
+        return self._costs(key).samples(k) >= self.cfg.min_samples
 
     def choose(self, batch_size: int, limit: Optional[int] = None, classes: Optional[Sequence[Hashable]] = None) -> int:
         """The depth of the next cycle; `classes`: each row's acceptance class."""
@@ -123,29 +132,39 @@ class DepthPolicy(Policy):
         if cap == 0:
             return self._because(NO_ROOM, 0)
         self.cycles += 1
-        bucket = _bucket(batch_size)
+        key = cost_key(batch_size, classes)
+        if key != self._key:
+            self._switch_table(key)
         if self._plan and max(self._plan) <= cap:
             return self._because(PROBE, self._plan.pop(0))
         self._plan = []
-        if not (self._calibrated(bucket, 0) and self._calibrated(bucket, 1)):
+        if not (self._calibrated(key, 0) and self._calibrated(key, 1)):
             # The two anchors first, in alternating blocks (each switch yields one ratio).
-            n = self._calibration.get(bucket, 0)
-            self._calibration[bucket] = n + 1
+            n = self._calibration.get(key, 0)
+            self._calibration[key] = n + 1
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
         classes = list(classes) if classes else [None]
-        costs = {k: c for k, c in self._costs(bucket).costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
+        costs = {k: c for k, c in self._costs(key).costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
         mean, bound = self._rates(costs, classes, False), self._rates(costs, classes, True)
         best = max(mean, key=mean.get)
-        if not self._calibrated(bucket, best):
+        if not self._calibrated(key, best):
             if probes.fits(self._probe_plan(best), limit):
                 return self._because(PROBE, self._start_probe(best))
-            best = max((k for k in mean if self._calibrated(bucket, k)), key=mean.get)
-        best, why = self._hold(bucket, best, mean)
+            best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
+        best, why = self._hold(key, best, mean)
         self.regime = best
-        alt = self._due_probe(bucket, best, costs, mean, bound, limit)
+        alt = self._due_probe(key, best, costs, mean, bound, limit)
         if alt is not None:
             return self._because(PROBE, self._start_probe(alt))
         return self._because(why, best)
+
+    def _switch_table(self, key: Tuple[int, str]) -> None:
+        """A batch priced by another table (another batch bucket or kind) than the last
+        cycle: its own regime, and a probe planned against the other regime is dropped
+        (its ratios would pair cycles of two tables)."""
+        if self._key is not None:
+            self._regimes[self._key] = self.regime
+        self._key, self.regime, self._plan = key, self._regimes.get(key, 0), []
 
     def _rates(self, costs: Dict[int, float], classes: List[Hashable], optimistic: bool) -> Dict[int, float]:
         # Expected tokens per unit of cost, plain decoding's raised by the margin drafting must beat.
@@ -154,18 +173,18 @@ class DepthPolicy(Policy):
         r[0] *= 1 + self.cfg.margin
         return r
 
-    def _hold(self, bucket: int, best: int, mean: Dict[int, float]):
+    def _hold(self, key: Tuple[int, str], best: int, mean: Dict[int, float]):
         """(depth, reason): stay put unless `best` is clearly better. A switch to or from
         plain decoding has costs of its own (the head catches up on the inputs of a k = 0
         stretch; the first plain cycle after drafting is not pipelined), and between
         drafting depths a close call must not flip with every noisy sample."""
         cur = self.regime
-        if cur in mean and self._calibrated(bucket, cur) and best != cur:
+        if cur in mean and self._calibrated(key, cur) and best != cur:
             if mean[best] < mean[cur] * (1 + (self.cfg.margin if 0 in (best, cur) else self.cfg.hysteresis)):
                 return cur, HOLDING
         return best, BEST
 
-    def _due_probe(self, bucket: int, best: int, costs: Dict[int, float], mean: Dict[int, float],
+    def _due_probe(self, key: Tuple[int, str], best: int, costs: Dict[int, float], mean: Dict[int, float],
                    bound: Dict[int, float], limit: Optional[int]) -> Optional[int]:
         """The depth to probe now, if a probe is due (see probes): spaced by what it forgoes
         by the mean estimates, from plain decoding the switch included, and as rare as
@@ -173,11 +192,11 @@ class DepthPolicy(Policy):
         others = [k for k in costs if k != best and probes.fits(self._probe_plan(k), limit)]
         if not others:
             return None
-        alt = probes.target(others, best, mean, bound, self._costs(bucket).measured_at)
+        alt = probes.target(others, best, mean, bound, self._costs(key).measured_at)
         loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, mean)
         if best == 0:
-            loss += self.switch.cost(bucket)
-        measured = [k for k in others if self._calibrated(bucket, k)]
+            loss += self.switch.cost(key)
+        measured = [k for k in others if self._calibrated(key, k)]
         if best == 0 and probes.cannot_pay(measured, costs, mean[0]):
             every = self.cfg.max_probe_every
         else:
@@ -206,12 +225,12 @@ class DepthPolicy(Policy):
         """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept,
         each row's acceptance class, and, for the first drafting cycle after plain decoding
         (not timed as a cycle), its wall time."""
-        bucket = _bucket(batch_size)
-        self.switch.update(k, bucket, seconds, switch_seconds, self._costs)
+        key = cost_key(batch_size, classes)
+        self.switch.update(k, key, seconds, switch_seconds, self._costs)
         # Acceptance is learnt from cycles that follow one of the same depth (the steady
         # state of that depth: see probes.plan).
         steady, self._last_k = k == self._last_k, k
         if k > 0 and steady:
             self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row))
         if seconds is not None and seconds > 0:
-            self._costs(bucket).add(k, seconds, self.cycles)
+            self._costs(key).add(k, seconds, self.cycles)

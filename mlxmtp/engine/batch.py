@@ -185,8 +185,7 @@ class BatchGenerator:
         later batch sizes learn their costs from their own cycles (DepthPolicy.needs_costs)."""
         if self.pieces.head is None or not self.policy.needs_costs(batch_size):
             return False
-        self.policy.seed_costs(batch_size, calibration.measure_cycle_costs(
-            self.pieces, batch_size, self.policy.max_depth, self.shape_stable, pipelined=self.pipeline_drafts))
+        calibration.seed_policy(self.policy, self.pieces, batch_size, self.shape_stable, self.pipeline_drafts)
         self.clock.untimed()
         return True
 
@@ -246,25 +245,25 @@ class BatchGenerator:
         t0 = time.perf_counter()
         rows = list(self.rows)
         ys = cycle.first_inputs(rows, after)
-        drafts, q_rows = self._propose(rows, k)
-        return cycle.verify(self.pieces, self.cache, rows, ys, drafts, q_rows, self.acceptance_rule, t0,
+        drafts, q = self._propose(rows, k)
+        return cycle.verify(self.pieces, self.cache, rows, ys, drafts, q, self.acceptance_rule, t0,
                             after is not None)
 
     def _propose(self, rows: List[Row], k: int):
-        """k drafts per row -> (drafts [B, k], per row the q log-probs [k, V] or None)."""
+        """k drafts per row -> (drafts [B, k], the q log-probs [B, k, V] or None: all greedy)."""
         if k == 0:
-            return mx.zeros((len(rows), 0), dtype=mx.int32), [None] * len(rows)
+            return mx.zeros((len(rows), 0), dtype=mx.int32), None
         p = self.pieces
-        drafts, q_rows = draft(p.head, p.vocab, self.head_cache, [r.pend for r in rows], [r.pend_t for r in rows],
-                               k, self._picker(rows), self.batch.head_width)
+        drafts, q = draft(p.head, p.vocab, self.head_cache, [r.pend for r in rows], [r.pend_t for r in rows],
+                          k, self._picker(rows), self.batch.head_width)
         if self.draft_hook is not None:
             drafts = self.draft_hook(rows, drafts, None)
         if self.profile:
-            self.clock.draft_time = cycle.wait_for_drafts(drafts, q_rows)
+            self.clock.draft_time = cycle.wait_for_drafts(drafts, q)
         else:
             # The device computes the drafts while the host builds the verify's graph.
-            mx.async_eval(drafts, *[q for q in q_rows if q is not None])
-        return drafts, q_rows
+            mx.async_eval(drafts, *([q] if q is not None else []))
+        return drafts, q
 
     def _picker(self, rows: List[Row]):
         """How each draft of `rows` is decided (a test overrides it to draft from chosen q)."""

@@ -75,15 +75,15 @@ def first_inputs(rows: List[Row], after: Optional[Cycle]) -> mx.array:
     return mx.array([r.y for r in rows], dtype=mx.int32)[:, None]
 
 
-def wait_for_drafts(drafts: mx.array, q_rows: List[Optional[mx.array]]) -> float:
-    """Evaluate the drafts on their own (profiling) -> seconds."""
+def wait_for_drafts(drafts: mx.array, q: Optional[mx.array]) -> float:
+    """Evaluate the drafts (and their q log-probabilities) on their own (profiling) -> seconds."""
     t = time.perf_counter()
-    mx.eval(drafts, *[q for q in q_rows if q is not None])
+    mx.eval(drafts, *([q] if q is not None else []))
     return time.perf_counter() - t
 
 
 def verify(pieces: ModelPieces, cache: list, rows: List[Row], ys: mx.array, drafts: mx.array,
-           q_rows: List[Optional[mx.array]], rule: str, t0: float, pipelined: bool) -> Cycle:
+           q: Optional[mx.array], rule: str, t0: float, pipelined: bool) -> Cycle:
     """Build the verify forward over [ys, drafts] ([B, k+1]) and the acceptance, lazily."""
     k = drafts.shape[1]
     records = []
@@ -94,7 +94,7 @@ def verify(pieces: ModelPieces, cache: list, rows: List[Row], ys: mx.array, draf
         records = rec.layers
     else:
         logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
-    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q_rows, rule, pieces.compiled), logits)
+    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled), logits)
     return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined)
 
 
@@ -145,11 +145,11 @@ def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, pick, h
     adapter.commit_unread(batch.cache, prev.records, consumed, prev.k + 1)
     _drop_chained_head_rows(batch, prev)
     ys = prev.tokens[mx.arange(B), prev.kept][:, None]
-    drafts, q_rows = draft_unread(pieces.head, pieces.vocab, batch.head_cache, prev.hidden, prev.tokens,
-                                  prev.kept, k, pick, batch.head_width)
+    drafts, q = draft_unread(pieces.head, pieces.vocab, batch.head_cache, prev.hidden, prev.tokens,
+                             prev.kept, k, pick, batch.head_width)
     if hook is not None:
         drafts = hook(prev.rows, drafts, consumed)
-    return verify(pieces, batch.cache, prev.rows, ys, drafts, q_rows, rule, t0, True)
+    return verify(pieces, batch.cache, prev.rows, ys, drafts, q, rule, t0, True)
 
 
 def settle(prev: Cycle, batch: Batch, kept: List[int]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Callable, Deque, Dict, Iterable, Optional, Tuple
+from typing import Callable, Deque, Dict, Hashable, Iterable, Optional, Tuple
 
 
 class CycleCosts:
@@ -105,29 +105,29 @@ class CycleCosts:
 
 class SwitchCosts:
     """What a switch from plain decoding to drafting costs beyond the cycles themselves, in
-    plain cycles, per batch-size bucket."""
+    plain cycles, per cost table (adaptive.cost_key: batch-size bucket and batch kind)."""
 
     def __init__(self, window: int):
         self.window = window
-        self.samples: Dict[int, Deque[float]] = {}
-        self._pending: Optional[Tuple[int, int, float]] = None  # (depth, bucket, seconds) of a switch cycle
+        self.samples: Dict[Hashable, Deque[float]] = {}
+        self._pending: Optional[Tuple[int, Hashable, float]] = None  # (depth, table key, seconds) of a switch cycle
 
-    def update(self, k: int, bucket: int, seconds: Optional[float], switch_seconds: Optional[float],
-               table: Callable[[int], CycleCosts]) -> None:
+    def update(self, k: int, key: Hashable, seconds: Optional[float], switch_seconds: Optional[float],
+               table: Callable[[Hashable], CycleCosts]) -> None:
         """One cycle of depth k (timed: `seconds`; the first after a switch: `switch_seconds`
-        instead); `table`: the cycle costs of a bucket."""
-        switch, self._pending = self._pending, (k, bucket, switch_seconds) if switch_seconds else None
-        if switch is not None and seconds and switch[:2] == (k, bucket):
+        instead); `table`: the cycle costs of a table key."""
+        switch, self._pending = self._pending, (k, key, switch_seconds) if switch_seconds else None
+        if switch is not None and seconds and switch[:2] == (k, key):
             # The switch cycle against the steady cycle of its depth right after it: the
             # excess, in plain cycles, is what the head's catch-up and the lost overlap cost.
-            c = table(bucket).costs([0, k])
+            c = table(key).costs([0, k])
             if c[0] and c[k]:
                 excess = max(0.0, switch[2] / seconds - 1.0) * c[k] / c[0]
-                self.samples.setdefault(bucket, deque(maxlen=self.window)).append(excess)
+                self.samples.setdefault(key, deque(maxlen=self.window)).append(excess)
 
-    def cost(self, bucket: int) -> float:
-        """The typical excess of a switch at this bucket (0 until one was measured)."""
-        samples = self.samples.get(bucket)
+    def cost(self, key: Hashable) -> float:
+        """The typical excess of a switch for this table key (0 until one was measured)."""
+        samples = self.samples.get(key)
         return statistics.median(samples) if samples else 0.0
 
 

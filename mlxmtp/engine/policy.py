@@ -2,13 +2,23 @@
 
 The engine asks `choose` for each cycle's depth (0 = plain decoding), reports every cycle
 through `update`, and, when `needs_costs` says so, calibrates cycle costs for a batch
-size and hands them to `seed_costs` (engine/calibration.py). `adaptive.DepthPolicy` is
-the policy the engine uses; tests script others on this base.
+size, greedy and sampled, and hands them to `seed_costs` (engine/calibration.py).
+`adaptive.DepthPolicy` is the policy the engine uses; tests script others on this base.
 """
 
 from __future__ import annotations
 
 from typing import Dict, Hashable, List, Optional, Sequence
+
+# The acceptance classes of rows (engine/state.acceptance_classes), and the two kinds of
+# batch a policy prices apart (`cost_kind`).
+GREEDY, SAMPLED = "greedy", "sampled"
+
+
+def cost_kind(classes: Optional[Sequence[Hashable]]) -> str:
+    """SAMPLED if any row of the batch samples, else GREEDY: a cycle's cost depends on it
+    (a sampled row's draft and accept steps make and compare whole distributions)."""
+    return SAMPLED if classes and SAMPLED in classes else GREEDY
 
 
 class Policy:
@@ -36,5 +46,6 @@ class Policy:
         for a batch size, no for good: a distributed engine asks rank 0 only until then)."""
         return False
 
-    def seed_costs(self, batch_size: int, seconds: Dict[int, float]) -> None:
-        """Calibrated seconds per cycle of each depth at this batch size."""
+    def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
+        """Calibrated seconds per cycle of each depth at this batch size, for batches of
+        this kind (`cost_kind`)."""

@@ -118,12 +118,12 @@ def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequ
 
 
 def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
-          pend_t: Sequence[List[int]], k: int, pick, width: int = 0) -> Tuple[mx.array, List[Optional[mx.array]]]:
+          pend_t: Sequence[List[int]], k: int, pick, width: int = 0) -> Tuple[mx.array, Optional[mx.array]]:
     """Chain k drafts per row from all pending pairs.
 
-    `pick(step, logits [B, V], drafts_so_far [B, step]) -> (tokens [B], q logprobs per row)`
-    decides each draft (argmax, or a sample from the request's processed distribution).
-    Returns drafts [B, k] and per row the q log-probabilities [k, V] (None when greedy).
+    `pick(step, logits [B, V], drafts_so_far [B, step]) -> (tokens [B], q logprobs [B, V] or
+    None)` decides each draft (argmax, or a sample from the request's processed distribution).
+    Returns drafts [B, k] and the q log-probabilities [B, k, V] (None when every row is greedy).
     `width`: the head pass's query width in shape-stable mode (see head_pass).
     """
     counts = [len(t) for t in pend_t]
@@ -133,7 +133,7 @@ def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence
 
 
 def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array, tokens: mx.array,
-                 kept: mx.array, k: int, pick, width: int) -> Tuple[mx.array, List[Optional[mx.array]]]:
+                 kept: mx.array, k: int, pick, width: int) -> Tuple[mx.array, Optional[mx.array]]:
     """`draft` right after a cycle that was not read yet: its pending inputs are that cycle's
     hidden states [B, T, H] paired with its tokens [B, T], of which row b's first kept[b] + 1
     are real (kept [B] on the device). The head takes all T (padded to its shape bucket) and
@@ -148,11 +148,11 @@ def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array
 
 
 def chain(head: MTPHead, vocab: Vocab, head_cache: list, g: mx.array, k: int,
-          pick) -> Tuple[mx.array, List[Optional[mx.array]]]:
+          pick) -> Tuple[mx.array, Optional[mx.array]]:
     """k drafts per row, chained from the head states g [B, 1, H] (see `draft`)."""
     B = g.shape[0]
     drafts: List[mx.array] = []
-    qs: List[List[mx.array]] = [[] for _ in range(B)]
+    qs: List[mx.array] = []
     for step in range(k):
         if step:
             g = head(vocab.embed_tokens(drafts[-1][:, None]), g, head_cache)
@@ -160,8 +160,6 @@ def chain(head: MTPHead, vocab: Vocab, head_cache: list, g: mx.array, k: int,
         so_far = mx.stack(drafts, axis=1) if drafts else mx.zeros((B, 0), dtype=mx.int32)
         tok, q = pick(step, logits, so_far)
         drafts.append(tok.astype(mx.int32))
-        for b in range(B):
-            if q[b] is not None:
-                qs[b].append(q[b])
-    q_rows = [mx.stack(q) if q else None for q in qs]
-    return mx.stack(drafts, axis=1), q_rows
+        if q is not None:
+            qs.append(q)
+    return mx.stack(drafts, axis=1), mx.stack(qs, axis=1) if qs else None

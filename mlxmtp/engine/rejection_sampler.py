@@ -51,10 +51,21 @@ def accept_sampled(
 
 def row_noise(key: Optional[mx.array], k: int, vocab: int) -> Tuple[mx.array, mx.array]:
     """One row's random numbers for `accept_sampled_rows`, from its own key: k uniforms
-    (accept or reject each draft) and V Gumbels (the draw after them: categorical(x, key)
-    is argmax(x + gumbel(key)), so a row draws the same token alone or in a batch)."""
+    (accept or reject each draft) and V Gumbels (the draw after them, argmax(log p + Gumbel
+    noise), a sample of p), so a row draws the same token alone or in a batch."""
     k_accept, k_resid = mx.random.split(key) if key is not None else (None, None)
     return mx.random.uniform(shape=(k,), key=k_accept), mx.random.gumbel(shape=(vocab,), key=k_resid)
+
+
+@mx.compile
+def _rows_noise(keys: mx.array, k: int, vocab: int) -> Tuple[mx.array, mx.array]:
+    return mx.vmap(lambda key: row_noise(key, k, vocab))(keys)
+
+
+def rows_noise(keys: mx.array, k: int, vocab: int) -> Tuple[mx.array, mx.array]:
+    """keys [S, 2] -> (uniforms [S, k], Gumbels [S, vocab]): each row's `row_noise` from its
+    own key, all rows in one compiled graph."""
+    return _rows_noise(keys, k, vocab)
 
 
 def accept_sampled_rows(
@@ -78,9 +89,11 @@ def accept_sampled_rows(
         raise ValueError(rule)
     kept = mx.cumprod(accept.astype(mx.int32), axis=1).sum(axis=1)
     # The token after the kept drafts: residual distribution at a rejection, p for the bonus.
+    # Only the position after the kept drafts is read: q there (0 past the last draft) is
+    # gathered before any exp, so the work is one vocabulary row per row, not k.
     p_m = mx.exp(mx.take_along_axis(p_logprobs, kept[:, None, None], axis=1)[:, 0])
-    q_ext = mx.concatenate([mx.exp(q_logprobs), mx.zeros((S, 1, q_logprobs.shape[-1]), q_logprobs.dtype)], axis=1)
-    q_m = mx.take_along_axis(q_ext, kept[:, None, None], axis=1)[:, 0]
+    q_at = mx.take_along_axis(q_logprobs, mx.minimum(kept, k - 1)[:, None, None], axis=1)[:, 0]
+    q_m = mx.where((kept < k)[:, None], mx.exp(q_at), mx.zeros_like(q_at))
     resid = mx.maximum(p_m - q_m, 0.0)
     # p == q makes the residual empty; then any draw from p is exact (it cannot be reached
     # with positive probability anyway, this only guards against 0/0).
@@ -104,7 +117,3 @@ def rules(rule: str, compiled: bool) -> Tuple[Callable, Callable]:
         return compiled_accept_greedy, compiled_accept_sampled_rows[rule]
     return accept_greedy, partial(accept_sampled_rows, rule=rule)
 
-
-def sample(logprobs: mx.array, key: Optional[mx.array]) -> mx.array:
-    """Draw one token per row from log-probabilities [T, V]."""
-    return mx.random.categorical(logprobs, key=key)

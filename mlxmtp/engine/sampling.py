@@ -73,17 +73,64 @@ class SamplingParams:
 # Temperature alone (no filter), the usual case, as single compiled graphs, as mlx-lm
 # compiles its own sampler: built from separate operations (two log-softmaxes, then the
 # draw) the same draw costs several more kernels per token, which shows on a small model.
-# The log-softmax of the log-softmax over T is the log-softmax of logits / T; a Gumbel
-# draw does not depend on the normalisation.
+# The log-softmax of the log-softmax over T is the log-softmax of logits / T. Every draw is
+# argmax(x + Gumbel noise) from the row's own key (a sample of softmax(x); the noise does
+# not depend on the normalisation), so a row draws the same token alone or in a batch.
 @mx.compile
-def _tempered_logprobs(logits: mx.array, inv_temp: mx.array) -> mx.array:
-    lp = logits * inv_temp
+def _tempered_logprobs(logits: mx.array, inv_temps: mx.array) -> mx.array:
+    lp = logits * inv_temps
     return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
 
 
 @mx.compile
-def _tempered_draw(logits: mx.array, inv_temp: mx.array, key: mx.array) -> mx.array:
-    return mx.random.categorical(logits * inv_temp, key=key)
+def _tempered_draws(logits: mx.array, inv_temps: mx.array, keys: mx.array) -> mx.array:
+    return mx.argmax(logits * inv_temps + gumbel_rows(keys, logits.shape[-1]), axis=-1)
+
+
+@mx.compile
+def _tempered_picks(logits: mx.array, inv_temps: mx.array, keys: mx.array):
+    lp = _tempered_logprobs(logits, inv_temps)
+    return mx.argmax(lp + gumbel_rows(keys, logits.shape[-1]), axis=-1), lp
+
+
+_split_rows = mx.compile(mx.vmap(mx.random.split))  # keys [B, 2] -> [B, 2, 2]
+
+
+def gumbel_rows(keys: mx.array, vocab: int) -> mx.array:
+    """keys [B, 2] -> [B, vocab] Gumbel noise, row b's from keys[b] alone (one vectorised op)."""
+    return mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
+
+
+def next_keys(samplers: Sequence["RowSampler"]) -> mx.array:
+    """[B, 2]: the next key of every row, as each row's `next_key` would give it, in one
+    vectorised split (row by row it is a handful of ops each, paid in launches on a GPU)."""
+    pairs = _split_rows(mx.stack([s.key for s in samplers]))
+    for b, s in enumerate(samplers):
+        s.key = pairs[b, 0]
+    return pairs[:, 1]
+
+
+def inverse_temperatures(samplers: Sequence["RowSampler"]) -> mx.array:
+    """[B, 1] float32: 1 / temperature per row (1 for a greedy row, whose draw is not used)."""
+    return mx.array([[1.0 / s.params.temperature if s.params.temperature > 0 else 1.0] for s in samplers],
+                    dtype=mx.float32)
+
+
+def tempered_logprobs(logits: mx.array, inv_temps: mx.array) -> mx.array:
+    """logits [..., V] -> log-softmax(logits * inv_temps) (inv_temps broadcast on logits)."""
+    return _tempered_logprobs(logits, inv_temps)
+
+
+def tempered_draws(logits: mx.array, inv_temps: mx.array, keys: mx.array) -> mx.array:
+    """Rows of temperature-only samplers at once: logits [B, V], inv_temps [B, 1] and keys
+    [B, 2] (inverse_temperatures, next_keys) -> one draw per row [B], in one compiled graph."""
+    return _tempered_draws(logits, inv_temps, keys)
+
+
+def tempered_picks(logits: mx.array, inv_temps: mx.array, keys: mx.array):
+    """`tempered_draws` that also returns the log-probabilities [B, V] the draws came from
+    (a draft's q)."""
+    return _tempered_picks(logits, inv_temps, keys)
 
 
 class RowSampler:
@@ -92,15 +139,20 @@ class RowSampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         self.procs = params.processors()
-        self.key = mx.random.key(params.seed) if params.seed is not None else None
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.key = mx.random.key(seed)  # split for every draw (`next_key`, `next_keys`)
         self.filtered = 0 < params.top_p < 1.0 or params.min_p != 0.0 or params.top_k > 0
-        self._inv_temp = mx.array(1.0 / params.temperature, mx.float32) if params.temperature > 0 else None
+        # Temperature alone (or greedy), no processor: a batch of such rows is decided by
+        # single vectorised steps (see `tempered_picks`, verify.accept).
+        self.plain = not self.filtered and not self.procs
+        self._inv_temps = inverse_temperatures([self])
 
     def next_key(self):
-        if self.key is None:
-            return mx.random.key(int.from_bytes(os.urandom(4), "little"))
         self.key, sub = mx.random.split(self.key)
         return sub
+
+    def _next_keys(self, n: int) -> mx.array:
+        return mx.stack([self.next_key() for _ in range(n)])
 
     def process(self, logits: mx.array, contexts: Sequence[mx.array]) -> mx.array:
         """logits [T, V] -> processed logits; row t sees the tokens in contexts[t]."""
@@ -118,7 +170,7 @@ class RowSampler:
         """Processed logits [T, V] -> the log-distribution a sample is drawn from."""
         p = self.params
         if not self.filtered:
-            return _tempered_logprobs(logits, self._inv_temp)
+            return _tempered_logprobs(logits, self._inv_temps)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < p.top_p < 1.0:
             lp = apply_top_p(lp, p.top_p)
@@ -131,6 +183,15 @@ class RowSampler:
 
     def draw(self, logits: mx.array) -> mx.array:
         """Processed logits [T, V] -> one token per row, drawn from logprobs(logits)."""
+        keys = self._next_keys(logits.shape[0])
         if not self.filtered:
-            return _tempered_draw(logits, self._inv_temp, self.next_key())
-        return mx.random.categorical(self.logprobs(logits), key=self.next_key())
+            return _tempered_draws(logits, self._inv_temps, keys)
+        return mx.argmax(self.logprobs(logits) + gumbel_rows(keys, logits.shape[-1]), axis=-1)
+
+    def pick(self, logits: mx.array):
+        """`draw` that also returns the log-probabilities [T, V] the draws came from."""
+        keys = self._next_keys(logits.shape[0])
+        if not self.filtered:
+            return _tempered_picks(logits, self._inv_temps, keys)
+        lp = self.logprobs(logits)
+        return mx.argmax(lp + gumbel_rows(keys, logits.shape[-1]), axis=-1), lp

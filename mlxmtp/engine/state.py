@@ -13,6 +13,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..mlxlm import adapter
+from .policy import GREEDY, SAMPLED
 from .proposer import Segment
 from .request import Request, RequestStats
 from .sampling import RowSampler
@@ -60,7 +61,7 @@ def prompt_left(row: Row) -> int:
 def acceptance_classes(rows: List[Row]) -> List[str]:
     # Greedy rows keep a draft only if it is the argmax; sampled rows by rejection sampling,
     # which keeps far more deep drafts: the depth policy learns the two apart.
-    return ["greedy" if r.sampler.params.greedy else "sampled" for r in rows]
+    return [GREEDY if r.sampler.params.greedy else SAMPLED for r in rows]
 
 
 class Batch:

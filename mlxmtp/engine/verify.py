@@ -3,13 +3,16 @@ mixes greedy and sampled rows; and the per-row sampling that drafts and first to
 
 The verify forward gives the target's logits at every drafted position of every row
 ([B, k+1, V]). A batch of greedy rows without logits processors is decided by one
-batched argmax (rejection_sampler.accept_greedy). Otherwise each row first runs its own
-code (its processors see its own context; a sampled row makes its p and draws its random
-numbers from its own key), then one vectorised step decides every row: greedy rows by
-argmax, sampled rows by rejection sampling against the distribution q their drafts were
-drawn from (the `draft_picker` below draws them from the same processed distribution the
-verifier's p comes from). Everything stays lazy; the cycle evaluates it with the verify
-forward.
+batched argmax (rejection_sampler.accept_greedy). A batch whose sampled rows have a
+temperature and nothing else (no filter, no processor: the usual sampled request) makes
+every row's p and random numbers in single vectorised steps, each row's numbers from its
+own key. Otherwise each row first runs its own code (its processors see its own context;
+a sampled row makes its p and draws its random numbers from its own key). Then one
+vectorised step decides every row: greedy rows by argmax, sampled rows by rejection
+sampling against the distribution q their drafts were drawn from (the `draft_picker`
+below draws them from the same processed distribution the verifier's p comes from, the
+same two ways). Both ways give a row the same tokens; everything stays lazy, and the
+cycle evaluates it with the verify forward.
 """
 
 from __future__ import annotations
@@ -20,8 +23,15 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from .failures import blame
-from .rejection_sampler import row_noise, rules, sample
-from .sampling import RowSampler
+from .rejection_sampler import rows_noise, rules
+from .sampling import (
+    RowSampler,
+    inverse_temperatures,
+    next_keys,
+    tempered_draws,
+    tempered_logprobs,
+    tempered_picks,
+)
 from .state import Row
 
 
@@ -35,9 +45,10 @@ class VerifyMetadata:
 
     # [B, k] int32: the drafted tokens, row b's in drafts[b]; shape [B, 0] when k = 0.
     drafts: mx.array
-    # B entries: the log-probabilities [k, V] a sampled row's drafts were drawn from (q,
-    # after the row's processors, filters and temperature); None for a greedy row or k = 0.
-    draft_logprobs: List[Optional[mx.array]]
+    # [B, k, V]: the log-probabilities each sampled row's drafts were drawn from (q, after
+    # the row's processors, filters and temperature; a greedy row's are not read); None when
+    # no row samples, or k = 0.
+    draft_logprobs: Optional[mx.array]
     # B entries: each row's processors, filters, temperature and random key (they make p).
     samplers: List[RowSampler]
     # B entries: each row's tokens so far (prompt + generated): what its logits processors
@@ -54,7 +65,7 @@ class VerifyMetadata:
     compiled: bool = False
 
     @classmethod
-    def for_rows(cls, rows: List[Row], drafts: mx.array, draft_logprobs: List[Optional[mx.array]],
+    def for_rows(cls, rows: List[Row], drafts: mx.array, draft_logprobs: Optional[mx.array],
                  rule: str, compiled: bool = False) -> "VerifyMetadata":
         want_lp = any(r.req.logprobs is not None for r in rows)
         top_n = max((r.req.logprobs or 0) for r in rows)
@@ -87,6 +98,8 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
             kept, tokens = rules(meta.rule, meta.compiled)[0](logits, meta.drafts)
         tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
         return kept, tokens.astype(mx.int32), tables
+    if all(sm.plain for sm in meta.samplers):
+        return _accept_tempered(meta, logits)
     lg, p_rows, noise = [], [], []
     for b in range(B):  # each row's own code: processors, its p and random numbers
         with blame(meta.request_ids[b]):
@@ -105,6 +118,31 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
     return kept.astype(mx.int32), tokens, tables
 
 
+def _accept_tempered(meta: VerifyMetadata, logits: mx.array):
+    """`accept` for a batch of temperature-only and greedy rows without processors (the
+    usual sampled batch): every row's p, random numbers and decision in single vectorised
+    steps, the same rules as row by row (each row's numbers from its own key)."""
+    B, k, V = logits.shape[0], meta.num_drafts, logits.shape[-1]
+    inv_temps, keys = inverse_temperatures(meta.samplers), next_keys(meta.samplers)
+    greedy = [sm.params.greedy for sm in meta.samplers]
+    if k == 0:
+        kept, tokens = mx.zeros((B,), dtype=mx.int32), tempered_draws(logits[:, 0], inv_temps, keys)[:, None]
+        if any(greedy):
+            tokens = mx.where(mx.array(greedy)[:, None], mx.argmax(logits, axis=-1), tokens)
+    else:
+        accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
+        p = tempered_logprobs(logits, inv_temps[:, :, None])
+        u, g = rows_noise(keys, k, V)
+        kept, tokens = accept_sampled_rows(p, meta.draft_logprobs.astype(p.dtype), meta.drafts, u, g)
+        if any(greedy):
+            kept_g, tokens_g = accept_greedy(logits, meta.drafts)
+            mask = mx.array(greedy)
+            kept, tokens = mx.where(mask, kept_g, kept), mx.where(mask[:, None], tokens_g, tokens)
+    tokens = tokens.astype(mx.int32)
+    tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
+    return kept.astype(mx.int32), tokens, tables
+
+
 def _prepare_row(meta: VerifyMetadata, b: int, lg: mx.array):
     """Row b's part of a mixed batch, logits [k+1, V] -> (its processed logits, then for a
     sampled row: with k = 0 its drawn token, else its p log-probabilities; and its random
@@ -117,7 +155,8 @@ def _prepare_row(meta: VerifyMetadata, b: int, lg: mx.array):
         return lg, None, None
     if k == 0:
         return lg, s.draw(lg), None
-    return lg, s.logprobs(lg), row_noise(s.next_key(), k, lg.shape[-1])
+    u, g = rows_noise(s.next_key()[None], k, lg.shape[-1])
+    return lg, s.logprobs(lg), (u[0], g[0])
 
 
 def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list):
@@ -131,7 +170,7 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
     if any(sampled):
         V = lg.shape[-1]
         p = mx.stack([p_b if p_b is not None else mx.zeros((k + 1, V), lg.dtype) for p_b in p_rows])
-        q = mx.stack([q if q is not None else mx.zeros((k, V), p.dtype) for q in meta.draft_logprobs])
+        q = meta.draft_logprobs
         u = mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise])
         g = mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])
         kept_s, tokens_s = accept_sampled_rows(p, q.astype(p.dtype), drafts, u, g)
@@ -144,31 +183,54 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
 def draft_picker(rows: List[Row]):
     """How the proposer decides each draft of `rows` (see proposer.draft): the argmax for
     greedy rows, a sample from the row's processed distribution (and that q) for sampled ones."""
-    plain = _plain_greedy([r.sampler for r in rows])
+    return picker([r.sampler for r in rows], [r.tokens for r in rows], [r.req.id for r in rows])
+
+
+def picker(samplers: List[RowSampler], contexts: List[List[int]], request_ids: List[int]):
+    """`draft_picker` for rows given by their samplers, contexts (tokens so far: what their
+    processors see) and the requests their failures are blamed on. A pick returns the
+    drafts [B] and the log-probabilities [B, V] they were drawn from (None: all greedy)."""
+    if _plain_greedy(samplers):
+        return lambda step, logits, so_far: (mx.argmax(logits, axis=-1), None)
+    if all(s.plain for s in samplers):
+        return _tempered_picker(samplers)
 
     def pick(step, logits, so_far):
-        if plain:
-            return mx.argmax(logits, axis=-1), [None] * len(rows)
         toks, qs = [], []
-        for b, r in enumerate(rows):
-            with blame(r.req.id):
-                tok, q = _pick_row(r, logits[b : b + 1], so_far[b])
+        for b, s in enumerate(samplers):
+            with blame(request_ids[b]):
+                tok, q = _pick_row(s, contexts[b], logits[b : b + 1], so_far[b])
             toks.append(tok)
-            qs.append(q)
-        return mx.stack(toks), qs
+            qs.append(q if q is not None else mx.zeros(logits.shape[-1:], mx.float32))
+        return mx.stack(toks), mx.stack(qs)
 
     return pick
 
 
-def _pick_row(r: Row, logits: mx.array, so_far: mx.array):
+def _tempered_picker(samplers: List[RowSampler]):
+    """The picker of temperature-only and greedy rows without processors: every row's draft
+    in one compiled step (sampling.tempered_picks), greedy rows' replaced by their argmax."""
+    inv_temps = inverse_temperatures(samplers)
+    greedy = mx.array([s.params.greedy for s in samplers]) if any(s.params.greedy for s in samplers) else None
+
+    def pick(step, logits, so_far):
+        toks, lp = tempered_picks(logits, inv_temps, next_keys(samplers))
+        if greedy is not None:
+            toks = mx.where(greedy, mx.argmax(logits, axis=-1), toks)
+        return toks, lp
+
+    return pick
+
+
+def _pick_row(s: RowSampler, context: List[int], logits: mx.array, so_far: mx.array):
     """One draft of one row from the head's logits [1, V]: (token, q log-probs or None)."""
-    if r.sampler.procs:
-        ctx = mx.concatenate([mx.array(r.tokens, dtype=mx.int32), so_far])
-        logits = r.sampler.process(logits, [ctx])
-    if r.sampler.params.greedy:
+    if s.procs:
+        ctx = mx.concatenate([mx.array(context, dtype=mx.int32), so_far])
+        logits = s.process(logits, [ctx])
+    if s.params.greedy:
         return mx.argmax(logits, axis=-1)[0], None
-    lp = r.sampler.logprobs(logits)
-    return sample(lp, r.sampler.next_key())[0], lp[0]
+    tok, lp = s.pick(logits)
+    return tok[0], lp[0]
 
 
 def sample_first(row: Row, logits: mx.array) -> int:
