@@ -77,19 +77,24 @@ class SamplingParams:
 # argmax(x + Gumbel noise) from the row's own key (a sample of softmax(x); the noise does
 # not depend on the normalisation), so a row draws the same token alone or in a batch.
 @mx.compile
-def _tempered_logprobs(logits: mx.array, inv_temps: mx.array) -> mx.array:
+def tempered_logprobs(logits: mx.array, inv_temps: mx.array) -> mx.array:
+    # logits [..., V] -> log-softmax(logits * inv_temps) (inv_temps broadcast on logits).
     lp = logits * inv_temps
     return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
 
 
 @mx.compile
-def _tempered_draws(logits: mx.array, inv_temps: mx.array, keys: mx.array) -> mx.array:
+def tempered_draws(logits: mx.array, inv_temps: mx.array, keys: mx.array) -> mx.array:
+    # Rows of temperature-only samplers at once: logits [B, V], inv_temps [B, 1] and keys
+    # [B, 2] (inverse_temperatures, next_keys) -> one draw per row [B].
     return mx.argmax(logits * inv_temps + gumbel_rows(keys, logits.shape[-1]), axis=-1)
 
 
 @mx.compile
-def _tempered_picks(logits: mx.array, inv_temps: mx.array, keys: mx.array):
-    lp = _tempered_logprobs(logits, inv_temps)
+def tempered_picks(logits: mx.array, inv_temps: mx.array, keys: mx.array):
+    # `tempered_draws` that also returns the log-probabilities [B, V] the draws came from
+    # (a draft's q).
+    lp = tempered_logprobs(logits, inv_temps)
     return mx.argmax(lp + gumbel_rows(keys, logits.shape[-1]), axis=-1), lp
 
 
@@ -114,23 +119,6 @@ def inverse_temperatures(samplers: Sequence["RowSampler"]) -> mx.array:
     """[B, 1] float32: 1 / temperature per row (1 for a greedy row, whose draw is not used)."""
     return mx.array([[1.0 / s.params.temperature if s.params.temperature > 0 else 1.0] for s in samplers],
                     dtype=mx.float32)
-
-
-def tempered_logprobs(logits: mx.array, inv_temps: mx.array) -> mx.array:
-    """logits [..., V] -> log-softmax(logits * inv_temps) (inv_temps broadcast on logits)."""
-    return _tempered_logprobs(logits, inv_temps)
-
-
-def tempered_draws(logits: mx.array, inv_temps: mx.array, keys: mx.array) -> mx.array:
-    """Rows of temperature-only samplers at once: logits [B, V], inv_temps [B, 1] and keys
-    [B, 2] (inverse_temperatures, next_keys) -> one draw per row [B], in one compiled graph."""
-    return _tempered_draws(logits, inv_temps, keys)
-
-
-def tempered_picks(logits: mx.array, inv_temps: mx.array, keys: mx.array):
-    """`tempered_draws` that also returns the log-probabilities [B, V] the draws came from
-    (a draft's q)."""
-    return _tempered_picks(logits, inv_temps, keys)
 
 
 class RowSampler:
@@ -170,7 +158,7 @@ class RowSampler:
         """Processed logits [T, V] -> the log-distribution a sample is drawn from."""
         p = self.params
         if not self.filtered:
-            return _tempered_logprobs(logits, self._inv_temps)
+            return tempered_logprobs(logits, self._inv_temps)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < p.top_p < 1.0:
             lp = apply_top_p(lp, p.top_p)
@@ -183,15 +171,14 @@ class RowSampler:
 
     def draw(self, logits: mx.array) -> mx.array:
         """Processed logits [T, V] -> one token per row, drawn from logprobs(logits)."""
-        keys = self._next_keys(logits.shape[0])
-        if not self.filtered:
-            return _tempered_draws(logits, self._inv_temps, keys)
-        return mx.argmax(self.logprobs(logits) + gumbel_rows(keys, logits.shape[-1]), axis=-1)
+        if self.filtered:
+            return self.pick(logits)[0]
+        return tempered_draws(logits, self._inv_temps, self._next_keys(logits.shape[0]))
 
     def pick(self, logits: mx.array):
         """`draw` that also returns the log-probabilities [T, V] the draws came from."""
         keys = self._next_keys(logits.shape[0])
         if not self.filtered:
-            return _tempered_picks(logits, self._inv_temps, keys)
+            return tempered_picks(logits, self._inv_temps, keys)
         lp = self.logprobs(logits)
         return mx.argmax(lp + gumbel_rows(keys, logits.shape[-1]), axis=-1), lp
