@@ -14,6 +14,7 @@ and measured/ideal is the engine's efficiency (draft cost and overhead included)
     python bench/decode.py                      # demo model and its 4-bit twin, greedy and temp 0.6
     python bench/decode.py --models demo --temps 0 --rounds 5 --markdown
     python bench/decode.py --models /path/to/mlx-model --max-tokens 200
+    python bench/decode.py --models demo --temps 0 --depths 2,3 --pipelined   # each depth also pipelined
 
 Prompts: code, a different one each round (the demo model's held-out prompts).
 Models: `demo` (the packaged demo model), `demo-4bit` (built by bench/quantized_demo.py
@@ -163,17 +164,24 @@ def interleaved(sides, chunk=16):
     return [dict(st, tps=st["tokens"] / max(st["seconds"], 1e-9)) for st in state]
 
 
+# Variants of every drafting setting a run may add beside it, in the same rounds.
+VARIANTS = {
+    "compiled": {"compile_steps": True},  # the head's steps and the accept step compiled
+    "pipelined": {"pipeline_drafts": True, "shape_stable": True},  # cycles built on unread ones
+}
+
+
 def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16,
-                compiled=False, shape_stable=None):
+                compiled=False, shape_stable=None, pipelined=False):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompts = [tok.encode(p) for p in PROMPTS]
     drafting = [(f"mlxmtp k={k}", k) for k in depths] + [("mlxmtp adaptive", "adaptive")]
-    # `compiled`: each drafting setting also with compile_steps, in the same rounds.
-    twins = [(f"{label}, compiled", k) for label, k in drafting] if compiled else []
-    options = {label: {"compile_steps": True} for label, _ in twins}
+    variants = [v for v, on in (("compiled", compiled), ("pipelined", pipelined)) if on]
+    twins = [(f"{label}, {v}", k) for v in variants for label, k in drafting]
+    options = {f"{label}, {v}": VARIANTS[v] for v in variants for label, _ in drafting}
     if shape_stable is not None:  # else the backend's default (on for GPUs)
-        options = {label: {**options.get(label, {}), "shape_stable": shape_stable}
+        options = {label: {"shape_stable": shape_stable, **options.get(label, {})}
                    for label, _ in drafting + twins + [("mlxmtp MTP off", 0)]}
     settings = [("mlx-lm generate", None), ("mlxmtp MTP off", 0)] + drafting + twins
     reps = 5 if quantized else 20
@@ -292,6 +300,8 @@ def main():
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--compiled", action="store_true",
                     help="also run each drafting setting with compile_steps (the head's steps and the accept step compiled)")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="also run each drafting setting with pipeline_drafts (each cycle built on the unread one)")
     ap.add_argument("--shape-stable", action="store_true",
                     help="shape-stable caches on every mlxmtp engine (the GPU default) on any backend")
     ap.add_argument("--markdown", action="store_true")
@@ -305,7 +315,7 @@ def main():
             rounds = args.rounds_quantized if quantized else args.rounds
             chunk = args.chunk_quantized if quantized else args.chunk
             bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized, chunk, args.compiled,
-                        args.shape_stable or None)
+                        args.shape_stable or None, args.pipelined)
 
 
 if __name__ == "__main__":

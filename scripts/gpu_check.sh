@@ -15,7 +15,10 @@
 # cycle profile with compile_steps), verify (bench/verify_forward.py: the verify forward
 # against mlx-lm's own T-token forward), batch (bench/batch.py: concurrency 1, 4, 8, MTP off
 # and adaptive, and a running stream's longest gap while requests join), prefix (the prefix
-# cache's tests: entries own their memory, branch points).
+# cache's tests: entries own their memory, branch points), rollback (bench/gdn_rollback.py:
+# selecting a recorded Gated DeltaNet state against replaying the recurrence; then depths 2
+# and 3, synchronous and pipelined, side by side, greedy), moe (scripts/moe_reference_probe.py:
+# whether the MoE fixture's states depend on how its tokens were split into forwards).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -65,6 +68,10 @@ for check in "$@"; do
         vocab) timeout 60 python3 bench/draft_vocab.py 2>&1 | tee "$OUT/draft_vocab.md" ;;
         prefix) MLX_ENABLE_TF32=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefix_cache.py \
                     tests/test_batching.py -k "prefix or branch" 2>&1 | tee "$OUT/prefix.txt" ;;
+        rollback) timeout 40 python3 bench/gdn_rollback.py 2>&1 | tee "$OUT/gdn_rollback.md"
+                  timeout 200 python3 bench/decode.py --models demo --temps 0 --depths 2,3 --pipelined \
+                      --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode_pipelined.md" ;;
+        moe) MLX_ENABLE_TF32=0 timeout 60 python3 scripts/moe_reference_probe.py 2>&1 | tee "$OUT/moe_probe.md" ;;
         *) echo "unknown check: $check" ;;
     esac
 done

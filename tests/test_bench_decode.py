@@ -62,12 +62,12 @@ def test_interleaved_times_each_side_on_its_own_turns(decode):
 def test_benchmark_runs_end_to_end_on_the_demo_model(decode, capsys):
     path = str(decode.demo_model_path())
     decode.bench_model("demo", path, temps=[0.0], depths=[1], rounds=1, max_tokens=12, markdown=True,
-                       compiled=True, shape_stable=True)
+                       compiled=True, shape_stable=True, pipelined=True)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ml")]
     assert [r.split(" | ")[0].split(" (")[0] for r in rows] == [
         "| mlx-lm generate", "| mlxmtp MTP off", "| mlxmtp k=1", "| mlxmtp adaptive", "| mlxmtp k=1, compiled",
-        "| mlxmtp adaptive, compiled"]
+        "| mlxmtp adaptive, compiled", "| mlxmtp k=1, pipelined", "| mlxmtp adaptive, pipelined"]
     assert "(depths used: " in rows[3] and "(depths used: " in rows[-1]
     k1 = rows[2].split(" | ")
     assert float(k1[2].rstrip("x")) > 0 and 0.0 <= float(k1[4]) <= 1.0  # speedup, acceptance
@@ -87,3 +87,21 @@ def test_verify_forward_bench_times_both_forwards(capsys):
     for r in rows:
         ratios = [float(x.rstrip("x ")) for x in r.strip("| ").split(" | ")[1:]]
         assert len(ratios) == 5 and all(0.2 < x < 5 for x in ratios), r
+
+
+@pytest.mark.parametrize("unread", [False, True])
+def test_gdn_rollback_bench_selects_with_fewer_ops_than_a_replay(monkeypatch, unread):
+    """The bench's two ways give one layer's rollback; selecting a recorded state builds a
+    handful of operations at most (none for one row with its count on the host)."""
+    from mlx_lm.models import gated_delta
+
+    from mlxmtp.mlxlm import gdn_capture
+
+    bench = _bench_module("gdn_rollback")
+    monkeypatch.setattr(gated_delta, "gated_delta_ops", gdn_capture._recording_ops)
+    for B in (1, 3):
+        layer = bench.verify_record(B, 4, 2, 4, 48)
+        replay_nodes, _, select_nodes, _ = bench.row(layer, B, unread, reps=1)
+        assert replay_nodes >= 4 * 5 and select_nodes <= 9
+        if B == 1 and not unread:
+            assert select_nodes == 0

@@ -60,7 +60,9 @@ def test_adaptive_depth_and_plain_stretches_pipelined(fixture_model, monkeypatch
     chained = _count_chained(monkeypatch)
     eng = BatchGenerator(model, tok, pipeline_drafts=True)
     depths = iter([2, 2, 3, 3, 1, 0, 0, 4, 4, 4, 2, 0, 3] * 20)
-    eng.policy.choose = lambda *a, **kw: min(next(depths), a[1] if len(a) > 1 and a[1] is not None else 8)
+    # The model's policy is shared by its engines: patched for this test only.
+    monkeypatch.setattr(eng.policy, "choose",
+                        lambda *a, **kw: min(next(depths), a[1] if len(a) > 1 and a[1] is not None else 8))
     reqs = [Request(prompt=prompt_of(n, seed=n), max_tokens=60) for n in (5, 40)]
     want = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in reqs}
     eng.draft_hook = oracle_hook(want, p_correct=0.7, seed=3)

@@ -3,7 +3,6 @@ brings no new array shape into the draft / verify / accept / rollback path (a GP
 backend that plans or compiles kernels per shape then compiles nothing new), and the
 verify reaches mlx-lm's own Gated DeltaNet dispatch."""
 
-import inspect
 import random
 
 import mlx.core as mx
@@ -177,8 +176,10 @@ def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):
     prompt = prompt_of(20, seed=1)
     assert run(eng, prompt, 30, ref) == reference_greedy(ref, prompt, 30)
     assert 4 in calls  # the verify's k+1 positions went through mlx-lm's dispatch
-    # The capture never runs a recurrence step of its own: the fused kernel stays on the path.
-    assert "_gated_delta_step_ops" not in inspect.getsource(gdn_capture)
+    # The capture's own steps are the dispatch's ops path, hooked where the dispatch looks it
+    # up: wherever the dispatch takes a fused kernel instead, it stays on the path
+    # (tests/test_gdn_capture.py runs that way with a stand-in kernel).
+    assert gated_delta.gated_delta_ops is gdn_capture._recording_ops
 
 
 class ScriptedPolicy(Policy):
