@@ -372,3 +372,23 @@ def test_script_entry_point(tmp_path, capsys):
     out = capsys.readouterr().out
     assert str(tmp_path / "qwen3_5_tied" / "hf") in out
     assert (tmp_path / "qwen3_5_tied" / "mlx_4bit" / "config.json").exists()
+
+
+def test_moe_fixture_state_does_not_depend_on_how_forwards_split_it(fixture_model):
+    """scripts/moe_reference_probe.py, run here: on this backend one forward, sorted and
+    unsorted expert chunks and one token at a time leave the MoE fixture in one state (the
+    rollback and batch tests rely on it; the probe is what to run where they fail)."""
+    import importlib.util
+
+    import mlx_lm
+
+    path = Path(__file__).parent.parent / "scripts" / "moe_reference_probe.py"
+    spec = importlib.util.spec_from_file_location("moe_reference_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    model, _ = mlx_lm.load(str(fixture_model("qwen3_6_moe")["hf"]))
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 290, 70)]
+    plain = probe.layer_states(probe.caches_after(model, tokens, [12] + [1] * 58))
+    for chunks in ([70], [32, 32, 6], [8] * 8 + [6]):
+        for a, b in zip(probe.layer_states(probe.caches_after(model, tokens, chunks)), plain):
+            np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
