@@ -16,6 +16,7 @@ from test_engine_rollback import assert_caches_equal, reference_cache
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import gdn_capture
+from mlxmtp.testing import fixtures as fx
 
 
 def _inputs(B, T, Hk, Hv, D, vector_gate, seed):
@@ -83,7 +84,8 @@ def _decode_checking_caches(eng, ref, prompts, n=40):
     assert got == wants and checked >= 10
 
 
-def _spy_verify_records(monkeypatch):
+def _spy_verify_records(monkeypatch, verifies=None):
+    """Every record the verifies make (and, in `verifies`, each verify's list of them)."""
     seen = []
     verify = gdn_capture.Recorder.active
 
@@ -92,6 +94,8 @@ def _spy_verify_records(monkeypatch):
         with verify(self) as rec:
             yield rec
         seen.extend(rec.layers)
+        if verifies is not None:
+            verifies.append(rec.layers)
 
     monkeypatch.setattr(gdn_capture.Recorder, "active", active)
     return seen
@@ -132,3 +136,22 @@ def test_fused_kernel_path_rolls_back_by_replay(fixture_model, monkeypatch, pipe
     assert ways["replay"] > 0 and ways["select"] == 0
     assert (4, True) in calls  # the verify's 4 positions went to the "kernel" in one call
     assert (4, False) in calls  # and so did the replays of partly accepted cycles
+
+
+def test_states_past_the_budget_roll_back_by_replay(fixture_model, monkeypatch):
+    """A verify keeps per-position states while they fit its budget; the layers past it
+    replay, and every row still ends in a plain decoder's state."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    verifies = []
+    _spy_verify_records(monkeypatch, verifies)
+    ways = _spy_rollbacks(monkeypatch)
+    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True)
+    # The budget of one Gated DeltaNet layer's states for 3 rows at 4 positions.
+    B, T = 3, 4
+    sizes = fx.DEFAULT_SIZES
+    Hv, Dv, Dk = (sizes[n] for n in ("linear_num_value_heads", "linear_value_head_dim", "linear_key_head_dim"))
+    monkeypatch.setattr(gdn_capture, "STATE_BUDGET_BYTES", B * T * Hv * Dv * Dk * 4)
+    _decode_checking_caches(eng, ref, [prompt_of(9 + 5 * b, seed=b) for b in range(B)])
+    full = [layers for layers in verifies if layers and layers[0].inputs[0].shape[:2] == (B, T)]
+    assert full and all([r.states is not None for r in layers] == [True, False, False] for layers in full)
+    assert ways["select"] > 0 and ways["replay"] > 0

@@ -19,7 +19,8 @@ while `record()` is active each Gated DeltaNet layer keeps
   length (a masked step keeps the state as it was);
 - where the dispatch takes its ops path, that path already computes the state after every
   position, one step at a time: the record keeps them (`LayerRecord.states`), and a
-  rollback selects one per row instead of replaying up to T steps of several kernels each.
+  rollback selects one per row instead of replaying up to T steps of several kernels each
+  (as long as they fit `STATE_BUDGET_BYTES`; the layers past it replay).
 Either way each row gets exactly the state a plain decoder would have. Outside `record()`
 nothing changes.
 """
@@ -97,14 +98,28 @@ def _select_rows(kept: mx.array, *choices: mx.array) -> mx.array:
     return out
 
 
+# The most bytes of per-position states one verify keeps (T states per layer and row, held
+# until the cycle is read; two cycles' worth when pipelined). Layers past it roll back by
+# replay: a large batch of a large model cannot grow its transient memory by gigabytes.
+STATE_BUDGET_BYTES = 512 * 2**20
+
+
 class Recorder:
     """What one verify forward recorded: one LayerRecord per Gated DeltaNet layer, in
     layer order. Active inside `with recorder.active():` on the calling thread only."""
 
-    def __init__(self):
+    def __init__(self, state_budget: Optional[int] = None):
         self.layers: List[LayerRecord] = []
         self._conv_pending: Optional[mx.array] = None
         self._states_pending: Optional[List[mx.array]] = None
+        self.state_room = STATE_BUDGET_BYTES if state_budget is None else state_budget
+
+    def keep_states(self, nbytes: int) -> bool:
+        """Whether a layer's per-position states of `nbytes` still fit the budget (taken if so)."""
+        if nbytes > self.state_room:
+            return False
+        self.state_room -= nbytes
+        return True
 
     @contextlib.contextmanager
     def active(self):
@@ -154,10 +169,11 @@ def _recording_ops(q, k, v, g, beta, state=None, mask=None):
     state only, so it is restated here: the same steps (its own `_gated_delta_step_ops`) on
     the same inputs, hence the same y and states to the bit (tests/test_gdn_capture.py)."""
     rec = _CURRENT.get()
-    if rec is None:
-        return _mlx_lm_ops(q, k, v, g, beta, state, mask)
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
+    itemsize = (mx.float32 if state is None else state.dtype).size
+    if rec is None or not rec.keep_states(T * B * Hv * Dv * Dk * itemsize):
+        return _mlx_lm_ops(q, k, v, g, beta, state, mask)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if (repeat := Hv // Hk) > 1:
