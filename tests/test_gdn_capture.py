@@ -65,6 +65,8 @@ def stand_in_kernel(monkeypatch):
 
 
 def _decode_checking_caches(eng, ref, prompts, n=40):
+    """Decode the prompts with drafts right 60% of the time (every acceptance length), and
+    check every row's caches against a plain decoder's every other cycle."""
     wants = {}
     for prompt in prompts:
         req = Request(prompt=prompt, max_tokens=n)

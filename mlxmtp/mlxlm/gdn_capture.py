@@ -108,11 +108,11 @@ class Recorder:
     """What one verify forward recorded: one LayerRecord per Gated DeltaNet layer, in
     layer order. Active inside `with recorder.active():` on the calling thread only."""
 
-    def __init__(self, state_budget: Optional[int] = None):
+    def __init__(self):
         self.layers: List[LayerRecord] = []
         self._conv_pending: Optional[mx.array] = None
         self._states_pending: Optional[List[mx.array]] = None
-        self.state_room = STATE_BUDGET_BYTES if state_budget is None else state_budget
+        self.state_room = STATE_BUDGET_BYTES  # bytes of per-position states it may still keep
 
     def keep_states(self, nbytes: int) -> bool:
         """Whether a layer's per-position states of `nbytes` still fit the budget (taken if so)."""
