@@ -118,6 +118,36 @@ def test_prefix_cache_hit_equals_miss(fixture_model, mtp):
     assert hits
 
 
+@pytest.mark.parametrize("mtp", [True, False])
+@pytest.mark.parametrize("drained", [False, True])
+def test_a_conversation_continues_from_the_state_its_pipelined_turn_left(fixture_model, mtp, drained):
+    """Plain decoding is pipelined: the cycle that finishes a request is read after the
+    next one has fed its last token, and that state (every token of the turn) is stored;
+    read on its own (drained), the state covers all but the last. The next turn starts
+    from it, with the output of a fresh start."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=0, prefix_cache_bytes=256 << 20)
+    turn1 = prompt_of(40, seed=5)
+    eng.submit(Request(prompt=turn1, max_tokens=20))
+    out1 = []
+    while eng.has_work:
+        events = eng.step()
+        if drained and eng.rows and eng.rows[0].generated == 19 and eng._inflight is not None:
+            events += eng.flush()  # the cycle with the last token is read before another is built
+        out1 += [t for ev in events for t in ev.token_ids]
+    assert out1 == reference_greedy(ref, turn1, 20)
+    stored = turn1 + (out1[:-1] if drained else out1)
+    assert tuple(stored) in eng.prefix_cache.entries
+    turn2 = Request(prompt=turn1 + out1 + prompt_of(6, seed=6), max_tokens=20)
+    eng.submit(turn2)
+    out2, last = [], None
+    while eng.has_work:
+        for ev in eng.step():
+            out2, last = out2 + ev.token_ids, ev
+    assert out2 == reference_greedy(ref, turn2.prompt, 20)
+    assert last.stats.cached_prompt_tokens == len(stored)
+
+
 def test_prefix_cache_evicts_under_memory_bound(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     eng = BatchGenerator(model, tok, prefix_cache_bytes=600_000)

@@ -293,7 +293,5 @@ class BatchGenerator:
         self.clock.finish(rec, self.policy, kept)
         self.cycles += 1
         self.last_depth = rec.k
-        if self.prefix_cache.max_bytes > 0 and not rec.pipelined and self._inflight is None:
-            for b in finished:
-                scheduler.store_finished(self.prefix_cache, self.batch, b)
+        scheduler.store_finished(self.prefix_cache, self.batch, finished, rec.k, self._inflight)
         self._drop_rows(finished)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, List, Set, Tuple
+from typing import Callable, List, Optional, Set, Tuple
+
+import mlx.core as mx
 
 from ..mlxlm import adapter
 from .failures import RowFailure, blame
@@ -96,18 +98,36 @@ def fail(failures: List[RowFailure], rows: List[Row], events: List[Event]) -> Li
     return gone
 
 
-def store_finished(prefix_cache: PrefixCache, batch: Batch, b: int) -> None:
-    """Store row b's state in the prefix cache as it leaves the batch."""
-    # The state covers every token but the last one emitted (never fed, as in plain decoding).
+def store_finished(prefix_cache: PrefixCache, batch: Batch, finished: List[int], k: int, in_flight=None) -> None:
+    """Store the finished rows' states in the prefix cache as they leave the batch. `k`: the
+    depth of the cycle they finished in; `in_flight`: the cycle already built on that one
+    (engine.cycle.Cycle: its depth and hidden states), if any."""
+    if prefix_cache.max_bytes <= 0 or not finished:
+        return
+    if in_flight is None:
+        fed_last = None  # each state covers its row's tokens but the last one emitted
+    elif k == 0 and in_flight.k == 0:
+        fed_last = in_flight.hidden  # the plain cycle in flight has fed every row's last token
+    else:
+        return  # a drafting cycle in flight: the rollbacks it was built on are not settled
+    for b in finished:
+        _store_row(prefix_cache, batch, b, fed_last)
+
+
+def _store_row(prefix_cache: PrefixCache, batch: Batch, b: int, fed_last: Optional[mx.array]) -> None:
+    """Row b's state, after all its tokens if `fed_last` ([B, 1, H]: the hidden states after
+    each row's last token) is given, else after all but the last."""
     row = batch.rows[b]
     with_head = batch.head_cache is not None
     cache = adapter.extract_cache(batch.cache, b)
     head_cache = adapter.extract_cache(batch.head_cache, b) if with_head else None
-    # Stored without logits: it only seeds longer prompts (the next turn of a conversation),
-    # which prefill at least one more token anyway.
-    toks = row.tokens[:-1]
-    pend_t = row.pend_t[:-1] if with_head else []
+    unfed = 0 if fed_last is not None else 1
+    pend_t = row.pend_t[: len(row.pend_t) - unfed] if with_head else []
     pend_h = pending_array(row.pend) if with_head else None
     if pend_h is not None:
-        pend_h = pend_h[: len(pend_t) + 1]
-    prefix_cache.store(toks, cache, head_cache, pend_h, pend_t, None)
+        # One hidden more than the tokens paired with them: the last waits for the token
+        # after the state (the next turn's first).
+        pend_h = pend_h[: len(pend_t) + 1] if fed_last is None else mx.concatenate([pend_h, fed_last[b]])
+    # Stored without logits: it only seeds longer prompts (the next turn of a conversation),
+    # which prefill at least one more token anyway.
+    prefix_cache.store(row.tokens[: len(row.tokens) - unfed], cache, head_cache, pend_h, pend_t, None)
