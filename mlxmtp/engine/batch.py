@@ -64,9 +64,10 @@ class BatchGenerator:
         # compiles kernels per shape needs. Off by default on the CPU backend, which compiles
         # nothing per shape, and where attending over a whole buffer costs real work.
         # Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by
-        # default: each cycle then builds the Gated DeltaNet replay a rollback may need whether
-        # or not it is needed (one fused kernel on Metal, step-by-step ops elsewhere), which
-        # can cost more than the overlap saves (BENCHMARKS.md).
+        # default: each cycle then builds the Gated DeltaNet rollback a cycle may need whether
+        # or not it is needed (a replay by one fused kernel on Metal, a select of recorded
+        # states elsewhere); as a step-by-step replay that cost more than the overlap saved
+        # on a GPU, and the select is still to be measured there (BENCHMARKS.md).
         self.pipeline_drafts = pipeline_drafts and not profile
         if shape_stable is None:
             shape_stable = mx.default_device() != mx.cpu

@@ -4,8 +4,8 @@ Launch builds the whole cycle lazily: the head chains k drafts per row (proposer
 main model verifies every row's k+1 tokens in ONE forward, and each row keeps its own
 number of drafts (verify; ragged acceptance). Commit reads the results (the cycle's one
 host synchronisation) and rolls every cache back to exactly the tokens each row
-consumed: attention caches trim per row in O(1); Gated DeltaNet state is selected per
-row from the states recorded during the verify; no second forward.
+consumed: attention caches trim per row in O(1); Gated DeltaNet state is rebuilt per
+row from what the verify recorded (gdn_capture); no second forward.
 
 Plain decoding (k = 0) is pipelined as mlx-lm does it: a cycle's forward is queued on
 the device before the previous cycle's tokens are read (`BatchGenerator._decode_cycle`).

@@ -94,9 +94,9 @@ def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> No
     """Roll every layer back to the state after `kept[b]` of the `verified` tokens of row b.
 
     Attention: trim each row's end. Gated DeltaNet: the conv state is a slice of the
-    recorded conv window; the recurrent state is replayed from the state before the
-    verify over the kept positions (gdn_capture.LayerRecord.state_after), so no second
-    forward of the model is needed.
+    recorded conv window; the recurrent state is the one the verify recorded at the kept
+    position, or replayed from the state before the verify over the kept positions
+    (gdn_capture.LayerRecord.state_after), so no second forward of the model is needed.
     """
     trims = [verified - n for n in kept]
     if not any(trims):
@@ -116,8 +116,8 @@ def commit(cache: list, records: list, kept: Sequence[int], verified: int) -> No
 
 def _roll_back_gdn(gdn: list, records: list, consumed: mx.array, kept, verified: int) -> None:
     """Each Gated DeltaNet layer to its state after consumed[b] ([B] array) of the verified
-    tokens of row b: the conv window's slice, and the recurrence replayed over the kept
-    positions (`kept`: the same counts as host ints, or the array itself)."""
+    tokens of row b: the conv window's slice, and the recurrent state at the kept positions,
+    recorded or replayed (`kept`: the same counts as host ints, or the array itself)."""
     for c, rec in zip(gdn, records):
         n_keep = rec.conv_input.shape[1] - verified
         pos = (consumed[:, None] + mx.arange(n_keep))[..., None]
@@ -127,8 +127,8 @@ def _roll_back_gdn(gdn: list, records: list, consumed: mx.array, kept, verified:
 
 def commit_unread(cache: list, records: list, consumed: mx.array, verified: int) -> None:
     """`commit` for a cycle not read yet: consumed [B] int32 on the device. Attention caches
-    defer their trims (settled by `settle` once read); Gated DeltaNet states are selected
-    and replayed from the array (shape-stable caches only)."""
+    defer their trims (settled by `settle` once read); Gated DeltaNet states are rebuilt from
+    the array, selected or replayed (shape-stable caches only)."""
     for c in attention_caches(cache):
         c.defer_trim(verified - consumed)
     _roll_back_gdn(gdn_layers(cache), records, consumed, consumed, verified)
