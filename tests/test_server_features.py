@@ -47,7 +47,8 @@ SYSTEM_FIRST_ONLY = ('{%- if (message.role == "user") or (message.role == "syste
 
 
 class Recorder(Hook):
-    """Hook that also keeps the prompt text of every request, and can delay the first token."""
+    """Hook that also keeps the prompt text of every request, and can delay the first or
+    the second token."""
 
     def __init__(self, tok):
         super().__init__(tok)
@@ -57,15 +58,16 @@ class Recorder(Hook):
     def __call__(self, req, body):
         self.prompts.append(self.tok.decode(req.prompt))
         super().__call__(req, body)
-        if "SLOW:first" in json.dumps(body):
-            n = len(req.prompt)
+        for mark, after in (("SLOW:first", 0), ("SLOW:later", 2)):
+            if mark in json.dumps(body):
+                n = len(req.prompt) + after
 
-            def slow(ctx, logits):  # a long prefill, as seen from the client
-                if ctx.shape[0] == n:
-                    time.sleep(0.6)
-                return logits
+                def slow(ctx, logits, n=n):  # a long prefill (or a wait for memory), as seen from the client
+                    if ctx.shape[0] == n:
+                        time.sleep(0.6)
+                    return logits
 
-            req.params.logits_processors.append(slow)
+                req.params.logits_processors.append(slow)
 
 
 def _serve(start_server, tok, **kw):
@@ -233,32 +235,37 @@ def _has_token(block: str) -> bool:
     if not data.startswith("{"):
         return False
     d = json.loads(data)
-    if d.get("type") == "response.output_text.delta":
+    if d.get("type") in ("response.output_text.delta", "content_block_delta"):
         return True
     return any(c.get("text") or (c.get("delta") or {}).get("content") for c in d.get("choices", []))
 
 
-def test_keepalive_before_the_first_token(server, monkeypatch):
+def _is_keepalive(block: str) -> bool:
+    return block == ": keep-alive" or block.startswith("event: ping")
+
+
+@pytest.mark.parametrize("mark", ["SLOW:first", "SLOW:later"])
+def test_keepalive_while_no_token_comes(server, monkeypatch, mark):
+    """A stream that waits for a token (the first: a long prefill; a later one: a request
+    paused for memory) sends its API's keep-alive meanwhile."""
     monkeypatch.setattr(generation, "KEEPALIVE_SECONDS", 0.05)
-    user = [{"role": "user", "content": "SLOW:first"}]
+    user = [{"role": "user", "content": mark}]
+    # One token per step (num_draft 0): the third token's step is the slow one, after the
+    # first two went out.
     cases = [("/v1/messages", {"max_tokens": 3, "messages": user}),
              ("/v1/chat/completions", {"max_tokens": 3, "messages": user}),
-             ("/v1/completions", {"max_tokens": 3, "prompt": "SLOW:first"}),
-             ("/v1/responses", {"max_output_tokens": 3, "input": "SLOW:first"})]
+             ("/v1/completions", {"max_tokens": 3, "prompt": mark}),
+             ("/v1/responses", {"max_output_tokens": 3, "input": mark})]
     for path, body in cases:
-        r = httpx.post(server.url + path, json={"model": "m", "stream": True, **body}, timeout=60)
+        r = httpx.post(server.url + path, json={"model": "m", "stream": True, "num_draft": 0, **body}, timeout=60)
         comments, events = sse(r.text)
         if path == "/v1/messages":
             names = [n for n, _ in events]
-            first = names.index("content_block_start")
-            assert names[:2] == ["message_start", "ping"] and names[2:first].count("ping") >= 3, names
-            assert names[-1] == "message_stop" and not comments
-        else:
-            assert comments.count(": keep-alive") >= 3, (path, comments)
-            # All of them before the first token.
-            blocks = r.text.strip().split("\n\n")
-            first = min(i for i, b in enumerate(blocks) if _has_token(b))
-            assert max(i for i, b in enumerate(blocks) if b == ": keep-alive") < first
+            assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop" and not comments
+        blocks = r.text.strip().split("\n\n")
+        first = min(i for i, b in enumerate(blocks) if _has_token(b))
+        waiting = blocks[first:] if mark == "SLOW:later" else blocks[:first]
+        assert sum(map(_is_keepalive, waiting)) >= 3, (path, blocks)
 
 
 # ------------------------------------------------------------------ tool_choice enforced

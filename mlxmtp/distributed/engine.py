@@ -8,7 +8,8 @@ order. What could make them differ is shared from rank 0 instead:
 * the requests and cancellations (only rank 0 serves HTTP): at the start of each step,
   one message (channel.py) with everything submitted since the last one;
 * each cycle's depth and the policy's other answers (shared_policy.py);
-* the sizes the prefix cache keeps and evicts by (each rank's own caches hold other layers);
+* the sizes the prefix cache keeps and evicts by, and the memory guard's (each rank's own
+  caches hold other layers);
 * start-up calibration and the end of the run, as messages of their own.
 
 Each rank then verifies, accepts and rolls back its own layers from the same logits, so
@@ -28,6 +29,7 @@ import threading
 import zlib
 from typing import Callable, List, Optional
 
+from ..engine import memory
 from ..engine.batch import BatchGenerator
 from ..engine.request import Event, Request
 from ..engine.scheduler import Inbox
@@ -63,6 +65,9 @@ class DistributedEngine(BatchGenerator):
         # Every rank keeps and evicts the same entries, so all use rank 0's budget (each
         # rank's own default is a share of its own machine's memory).
         self.prefix_cache.max_bytes = self._agreed_size(self.prefix_cache.max_bytes)
+        # Every rank admits and pauses the same rows (engine/memory.py): all use rank 0's
+        # sizes and budget.
+        self.memory = memory.guard_for(self.pieces, self.memory.budget, self.prefix_cache, agree=self._agreed_size)
         self.outbox = Inbox()  # rank 0: what submit/cancel handed over since the last step
         self._arrived = threading.Event()
         self.on_fatal = on_fatal or exit_on_fatal

@@ -29,17 +29,17 @@ from typing import List, Optional, Set
 import mlx.core as mx
 
 from ..mlxlm import adapter
-from . import calibration, cycle, head_inputs, scheduler
+from . import calibration, cycle, head_inputs, memory, scheduler
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
 from .limits import MAX_DRAFT_DEPTH
 from .output import emit_cycle
-from .pieces import model_pieces, shared_policy
+from .pieces import cycle_modes, model_pieces, shared_policy
 from .prefill import Prefiller
 from .prefix_cache import PrefixCache
 from .proposer import draft
 from .request import Event, Request
-from .state import Batch, Row, new_row
+from .state import Batch, Row, new_row, to_resume
 from .timing import CycleClock
 from .verify import draft_picker
 
@@ -49,37 +49,24 @@ class BatchGenerator:
                  max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = 512,
                  prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
                  shape_stable: Optional[bool] = None, pipeline_drafts: bool = False,
-                 compile_steps: bool = False):
+                 compile_steps: bool = False, memory_bytes: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.policy = shared_policy(model, max_depth, num_draft)
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
         self.max_batch = max_batch
-        self.prefill_step = prefill_step
         self.acceptance_rule = acceptance_rule
-        # profile: evaluate drafts on their own (one more sync per cycle) to split device
-        # time into draft and verify; off by default, the split is for benchmarks.
+        # profile: drafts evaluated on their own, to split device time (for benchmarks).
         self.profile = profile
-        # Shape-stable drafting cycles (see mlxlm/ragged_cache.py): what a GPU backend that plans or
-        # compiles kernels per shape needs. Off by default on the CPU backend, which compiles
-        # nothing per shape, and where attending over a whole buffer costs real work.
-        # Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by
-        # default: each cycle then builds the Gated DeltaNet rollback a cycle may need whether
-        # or not it is needed (a replay by one fused kernel on Metal, a select of recorded
-        # states elsewhere); as a step-by-step replay that cost more than the overlap saved
-        # on a GPU, and the select is still to be measured there (BENCHMARKS.md).
-        self.pipeline_drafts = pipeline_drafts and not profile
-        if shape_stable is None:
-            shape_stable = mx.default_device() != mx.cpu
-        self.shape_stable = shape_stable or self.pipeline_drafts
-        # The head's shape-stable steps and the accept step as compiled graphs (engine/compiled_head.py).
-        # Off by default: on the CPU it neither gains nor loses once traced, and each new
-        # shape costs a compilation there (BENCHMARKS.md); on a GPU it is to be measured.
+        self.shape_stable, self.pipeline_drafts = cycle_modes(shape_stable, pipeline_drafts, profile)
+        # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py).
         self.pieces = model_pieces(model, enable_mtp, compile_steps)
         adapter.prepare_model(self.pieces.parts.text_model)
         self.vocab_size = self.pieces.parts.args.vocab_size
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
+        # memory_bytes: what running rows and the prefix cache may hold together (0: unbounded).
+        self.memory = memory.guard_for(self.pieces, memory_bytes, self.prefix_cache)
         self.batch = Batch(self.shape_stable, head_width=self.max_depth + 1)
         self.waiting: deque = deque()  # Rows not yet prefilled
         self.inbox = scheduler.Inbox()
@@ -87,10 +74,9 @@ class BatchGenerator:
         self.cycles = 0
         self.last_depth = 0
         self.why = ""  # why the last cycle got its depth (see cycle.choose_depth)
-        # Tests replace drafts through this hook to force chosen acceptance patterns
-        # (drafts are verified, so any drafts give the same output): draft_hook(rows, drafts,
-        # unread) -> drafts, where unread is None or [B] tokens each row emits in a cycle not
-        # read yet (beyond row.generated: a drafting cycle built on an unread one).
+        # Tests force acceptance patterns through it (drafts are verified: any give the same
+        # output): draft_hook(rows, drafts, unread) -> drafts; unread: None, or [B] tokens each
+        # row emits in a cycle not read yet (a drafting cycle built on an unread one).
         self.draft_hook = None
         self._inflight: Optional[Cycle] = None  # a pipelined cycle not read yet
 
@@ -136,8 +122,9 @@ class BatchGenerator:
 
     def unstarted_request_ids(self) -> Set[int]:
         """Requests whose prefill has not started: still in the inbox, or waiting without
-        prefill state. After a failed step, these alone can be resubmitted untouched."""
-        waiting = {r.req.id for r in self.waiting if r.cache is None}
+        prefill state (a row sent back to wait has emitted tokens). After a failed step,
+        these alone can be resubmitted untouched."""
+        waiting = {r.req.id for r in self.waiting if r.cache is None and not r.resuming}
         return waiting | {req.id for req in self.inbox.requests()}
 
     def cancelled_ids(self) -> Set[int]:
@@ -165,7 +152,8 @@ class BatchGenerator:
             # before it can join (a cycle in flight has an input for its own rows only).
             self._drain(events)
         if self.waiting and len(self.rows) < self.max_batch:
-            self.prefiller.run(self.waiting, self.batch, self.max_batch, events)
+            allowed = memory.startable(self.memory, self.rows, self.waiting)
+            self.prefiller.run(self.waiting, self.batch, self.max_batch, events, allowed)
             self.clock.untimed()  # prefill time must not be billed to a decode cycle
         if self.rows:
             self._decode_cycle(events)
@@ -191,6 +179,10 @@ class BatchGenerator:
         return True
 
     def _decode_cycle(self, events: List[Event]) -> None:
+        if memory.overflow(self.memory, self.rows, self.waiting):
+            self._make_room(events)
+            if not self.rows:
+                return
         self.calibrate(len(self.rows))
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
         for r in self.rows:
@@ -228,6 +220,16 @@ class BatchGenerator:
         self._inflight = rec
         if prev is not None:
             self._finish(prev, events, rolled_back=prev.k > 0)
+
+    def _make_room(self, events: List[Event]) -> None:
+        """Send the newest rows back to wait, to resume when they fit (engine/memory.py)."""
+        self._drain(events)  # every row's caches then hold all its tokens but the last
+        n = memory.overflow(self.memory, self.rows, self.waiting)
+        rows = self.rows[len(self.rows) - n:]
+        self._drop_rows(list(range(len(self.rows) - n, len(self.rows))))
+        self.waiting.extendleft(to_resume(r) for r in reversed(rows))
+        self.memory.preempted += n
+        self.clock.untimed()
 
     def _drain(self, events: List[Event]) -> None:
         """Emit the cycle still in flight (before the batch changes shape)."""

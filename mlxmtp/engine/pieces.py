@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
+
+import mlx.core as mx
 
 from ..mlxlm.family import TextParts, text_parts
 from ..models.load import MTPModel
@@ -53,3 +55,22 @@ def shared_policy(model, max_depth: int, num_draft: Optional[int]) -> DepthPolic
     if policies is not None:
         policies[key] = policy
     return policy
+
+
+def cycle_modes(shape_stable: Optional[bool], pipeline_drafts: bool, profile: bool) -> Tuple[bool, bool]:
+    """(shape_stable, pipeline_drafts) as an engine runs them.
+
+    Shape-stable drafting cycles (see mlxlm/ragged_cache.py): what a GPU backend that plans
+    or compiles kernels per shape needs. Off by default on the CPU backend, which compiles
+    nothing per shape, and where attending over a whole buffer costs real work.
+
+    Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by default:
+    each cycle then builds the Gated DeltaNet rollback a cycle may need whether or not it
+    is needed (a replay by one fused kernel on Metal, a select of recorded states
+    elsewhere); as a step-by-step replay that cost more than the overlap saved on a GPU,
+    and the select is still to be measured there (BENCHMARKS.md). Never while profiling,
+    which evaluates each cycle's drafts on their own."""
+    pipeline_drafts = pipeline_drafts and not profile
+    if shape_stable is None:
+        shape_stable = mx.default_device() != mx.cpu
+    return shape_stable or pipeline_drafts, pipeline_drafts

@@ -9,6 +9,10 @@ one, and keeps the state at the end of every prompt.
 Where a prompt branches off the stored sequences (two conversations sharing a long
 system prompt), its prefill stops once to store the state there (`_checkpoint`).
 
+A row sent back to wait for memory (engine/memory.py) is prefilled the same way over
+everything it had fed before (its prompt and all its tokens but the last), and then
+rejoins with that last token as its next input, emitting nothing.
+
 The MTP head runs over every prompt position too: each main-model hidden state is paired
 with the prompt token after it (across chunk boundaries, the last hidden of a chunk with
 the first token of the next), and every complete pair is fed to the head at once.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import List
+from typing import List, Optional, Set
 
 import mlx.core as mx
 
@@ -39,20 +43,24 @@ class Prefiller:
         self.prefix_cache = prefix_cache
         self.step = step  # tokens per chunk
 
-    def run(self, waiting: deque, batch: Batch, max_batch: int, events: List[Event]) -> None:
+    def run(self, waiting: deque, batch: Batch, max_batch: int, events: List[Event],
+            allowed: Optional[Set[int]] = None) -> None:
         """Short prompts first, each whole, then one chunk of the oldest long prompt.
+        `allowed`: the request ids of the rows not started yet that may start (None: all;
+        the others wait for memory, see engine/memory.py).
 
         A prompt that fits in one chunk never waits behind a long one for more than that
         long prompt's current chunk, and a long prompt still advances every step. Chunks
         start at fixed offsets (multiples of the chunk size), whatever else is waiting, so
         a prompt's prefill computes the same numbers under any load."""
+        ready = [r for r in waiting if r.cache is not None or allowed is None or r.req.id in allowed]
         budget = self.step
-        for row in [r for r in waiting if prompt_left(r) <= self.step]:
+        for row in [r for r in ready if prompt_left(r) <= self.step]:
             if budget <= 0 or len(batch.rows) >= max_batch:
                 break
             budget -= prompt_left(row)
             self._advance(row, True, waiting, batch, events)
-        long = next((r for r in waiting if prompt_left(r) > self.step), None)
+        long = next((r for r in ready if prompt_left(r) > self.step), None)
         if long is not None and len(batch.rows) < max_batch:
             self._advance(long, False, waiting, batch, events)
 
@@ -76,7 +84,7 @@ class Prefiller:
 
     def _chunk(self, row: Row) -> bool:
         """Feed `row`'s next prompt chunk; True once the whole prompt is in."""
-        prompt = row.req.prompt
+        prompt = row.prompt
         if row.cache is None:
             row.t0 = time.perf_counter()
             self._start(row)
@@ -100,12 +108,18 @@ class Prefiller:
 
     def _store(self, row: Row, last_logits) -> None:
         """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache."""
-        self.prefix_cache.store(row.req.prompt[: row.done_prompt], row.cache, row.head_cache,
+        self.prefix_cache.store(row.prompt[: row.done_prompt], row.cache, row.head_cache,
                                 pending_array(row.pend), row.pend_t, last_logits)
 
     def _first_token(self, row: Row, events: List[Event]) -> bool:
-        """Sample and emit the first token; True if that already finished the request."""
-        row.stats.prefill_seconds = time.perf_counter() - row.t0
+        """Sample and emit the first token; True if that already finished the request. A
+        resuming row has its next token already (emitted before it left the batch)."""
+        row.stats.prefill_seconds += time.perf_counter() - row.t0
+        if row.resuming:
+            row.y, row.resuming, row.last_logits = row.tokens[-1], False, None
+            if self.pieces.head is not None:
+                row.pend_t.append(row.y)
+            return False
         first = sample_first(row, row.last_logits[None])
         row.y = first
         if self.pieces.head is not None:
@@ -114,7 +128,7 @@ class Prefiller:
 
     def _start(self, row: Row) -> None:
         """The row's own caches: from the longest stored prefix of its prompt, or empty."""
-        entry = self.prefix_cache.lookup(row.req.prompt) if self.prefix_cache.max_bytes > 0 else None
+        entry = self.prefix_cache.lookup(row.prompt) if self.prefix_cache.max_bytes > 0 else None
         if entry is not None and (self.pieces.head is None) == (entry.head_cache is None):
             row.cache = adapter.copy_cache(entry.cache)
             row.head_cache = adapter.copy_cache(entry.head_cache) if entry.head_cache is not None else None
@@ -122,7 +136,8 @@ class Prefiller:
             row.pend_t = list(entry.pend_t)
             row.done_prompt = len(entry.tokens)
             row.last_logits = entry.last_logits
-            row.stats.cached_prompt_tokens = len(entry.tokens)
+            if not row.resuming:
+                row.stats.cached_prompt_tokens = len(entry.tokens)
         else:
             row.cache = adapter.make_cache(self.pieces.parts, 1)
             row.head_cache = adapter.make_head_cache(self.pieces.head, 1) if self.pieces.head is not None else None
@@ -137,8 +152,8 @@ class Prefiller:
         branch point is stored. The second such prompt stores it on the way (its prefill
         stops there once), and every later one starts from it. A shared part shorter than
         a chunk costs at most a chunk to prefill again."""
-        branch = self.prefix_cache.shared_length(row.req.prompt)
-        worth = branch - row.done_prompt >= self.step and branch < len(row.req.prompt)
+        branch = self.prefix_cache.shared_length(row.prompt)
+        worth = branch - row.done_prompt >= self.step and branch < len(row.prompt)
         return branch if worth else 0
 
     def _forward(self, row: Row, tokens: List[int], logits_needed: bool) -> mx.array:
@@ -158,7 +173,7 @@ class Prefiller:
             # last stays pending, as at a prompt's end: the stored state must not depend on
             # the token after it (the prompts that share the state differ there).
             end = done + len(tokens)
-            row.pend_t = row.req.prompt[done - nh + 1 : end if end == row.checkpoint else end + 1]
+            row.pend_t = row.prompt[done - nh + 1 : end if end == row.checkpoint else end + 1]
             n = len(row.pend_t)
             if n:
                 _, rest = head_pass(p.head, p.vocab, row.head_cache, [row.pend], [row.pend_t], [n])

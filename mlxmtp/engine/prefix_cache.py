@@ -171,6 +171,19 @@ class PrefixCache:
         # A distributed engine's ranks must keep and evict the same entries while each
         # holds other layers: it sets this to share rank 0's sizes (distributed/engine.py).
         self.agree: Optional[Callable[[int], int]] = None
+        # Bytes the running requests leave it (engine/memory.py), None: max_bytes alone.
+        self.room: Optional[Callable[[], int]] = None
+
+    def limit(self) -> int:
+        """Bytes it may hold now."""
+        return self.max_bytes if self.room is None else min(self.max_bytes, self.room())
+
+    def shrink_to(self, nbytes: int) -> None:
+        """Evict least recently used entries until it holds at most `nbytes`."""
+        while self.bytes > max(0, nbytes):
+            _, old = self.entries.popitem(last=False)
+            self.trie.remove(old.tokens)
+            self.bytes -= old.nbytes
 
     def lookup(self, prompt: Sequence[int]) -> Optional[PrefixEntry]:
         """The longest stored sequence that is a prefix of `prompt` (it may equal it)."""
@@ -209,7 +222,7 @@ class PrefixCache:
         nbytes += (pend_h.nbytes if pend_h is not None else 0) + last_logits.nbytes
         if self.agree is not None:
             nbytes = self.agree(nbytes)
-        if nbytes > self.max_bytes:
+        if nbytes > self.limit():
             return
         try:
             entry = _owned_entry(key, cache, head_cache, pend_h, pend_t, last_logits, nbytes)
@@ -221,10 +234,7 @@ class PrefixCache:
         self.entries[key] = entry
         self.trie.insert(entry)
         self.bytes += nbytes
-        while self.bytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.trie.remove(old.tokens)
-            self.bytes -= old.nbytes
+        self.shrink_to(self.limit())
 
 
 def _owned_entry(key: Tokens, cache: list, head_cache: Optional[list], pend_h, pend_t: List[int],

@@ -55,6 +55,7 @@ class RequestStats:
     overhead_seconds: float = 0.0  # host: building graphs, bookkeeping (pipelined cycles: all)
     depths: Dict[int, int] = field(default_factory=dict)
     depth_reasons: Dict[str, int] = field(default_factory=dict)  # cycles by why their depth was chosen
+    preempted: int = 0  # times it waited for memory after it had started (engine/memory.py)
 
     def record_cycle(self, k: int, kept: int, emitted: int) -> None:
         self.forwards += 1

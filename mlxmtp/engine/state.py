@@ -2,7 +2,9 @@
 
 A row waits in `BatchGenerator.waiting` from submission until its prompt is prefilled,
 in caches of its own (B=1). Then it joins the `Batch`: row b of every batched cache
-belongs to `Batch.rows[b]`. Rows join and leave only between decode cycles.
+belongs to `Batch.rows[b]`. Rows join and leave only between decode cycles. A row sent
+back to wait for memory (`to_resume`, engine/memory.py) drops its caches and is
+prefilled again over what it had fed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Row:
     sampler: RowSampler  # its processors, filters and random key
     stop_ids: set  # token ids that end it
     tokens: List[int]  # prompt + generated: the processors' context
+    prompt: List[int]  # what its prefill feeds: the request's prompt; resuming, all its tokens but the last
     stats: RequestStats
     detok: object  # the tokenizer's streaming detokenizer
     y: int = -1  # last emitted token, not yet fed to the main model
@@ -41,6 +44,7 @@ class Row:
     cache: Optional[list] = None
     head_cache: Optional[list] = None
     done_prompt: int = 0  # prompt tokens already fed
+    resuming: bool = False  # sent back to wait (engine/memory.py): its prefill emits no first token
     checkpoint: int = 0  # prefill stops here once to store its state (see prefill), 0: nowhere
     t0: float = 0.0  # when its prefill started
     last_logits: Optional[mx.array] = None  # [V] after the prompt's last token
@@ -50,12 +54,23 @@ class Row:
 def new_row(req: Request, tokenizer) -> Row:
     stop_ids = set(req.stop_token_ids if req.stop_token_ids is not None else tokenizer.eos_token_ids)
     return Row(req=req, sampler=RowSampler(req.params), stop_ids=stop_ids, tokens=list(req.prompt),
-               stats=RequestStats(prompt_tokens=len(req.prompt)), detok=tokenizer.detokenizer)
+               prompt=req.prompt, stats=RequestStats(prompt_tokens=len(req.prompt)), detok=tokenizer.detokenizer)
 
 
 def prompt_left(row: Row) -> int:
     """Prompt tokens not yet prefilled."""
-    return len(row.req.prompt) - row.done_prompt
+    return len(row.prompt) - row.done_prompt
+
+
+def to_resume(row: Row) -> Row:
+    """Make an active row (its caches dropped) wait to resume: its prefill will feed every
+    token it has but the last, which it then feeds in its next cycle as before."""
+    row.prompt, row.resuming = row.tokens[:-1], True
+    row.pend, row.pend_t = [], []
+    row.done_prompt = row.checkpoint = 0
+    row.last_logits = None
+    row.stats.preempted += 1
+    return row
 
 
 def acceptance_classes(rows: List[Row]) -> List[str]:

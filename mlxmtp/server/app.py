@@ -20,7 +20,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..engine import memory
 from ..engine.batch import BatchGenerator
+from ..engine.pieces import model_pieces
 from ..engine.prefix_cache import default_budget
 from ..mlxlm.family import text_parts
 from ..models.load import MTPModel
@@ -74,7 +76,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                prefix_cache_mb: Optional[int] = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
-               compile_steps: bool = False, engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
+               compile_steps: bool = False, memory_mb: Optional[int] = None,
+               engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
     name asked for) unless `strict_model_name`: then only the model id and its aliases.
@@ -84,19 +87,22 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     mtp_active, reason = _mtp_status(model, enable_mtp)
     metrics = Metrics()
     options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts,
-                             compile_steps)
+                             compile_steps, memory_mb)
     log.info("prefix cache: up to %d MiB", options["prefix_cache_bytes"] >> 20)
+    args = text_parts(model).args
+    context_length = _context_in_memory(model, mtp_active, context_length or args.max_position_embeddings,
+                                        options["memory_bytes"])
 
     def make_engine():
         return engine_factory(model, tok, **options)
 
     bridge = EngineBridge(make_engine, metrics)
     metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
+    metrics.watch_memory(lambda: bridge.engine.memory if bridge.engine is not None else None)
     model_id = model_id or "mlxmtp-demo"
-    args = text_parts(model).args
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
                         mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
-                        context_length=context_length or args.max_position_embeddings,
+                        context_length=context_length,
                         max_prompt_tokens=max_prompt_tokens, aliases=_served_aliases(model_id, aliases),
                         request_hook=request_hook, strict_model_name=strict_model_name)
 
@@ -114,12 +120,33 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
 
 
 def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int,
-                   prefix_cache_mb: Optional[int], pipeline_drafts: bool, compile_steps: bool = False) -> dict:
+                   prefix_cache_mb: Optional[int], pipeline_drafts: bool, compile_steps: bool = False,
+                   memory_mb: Optional[int] = None) -> dict:
     """The server's engine settings (every rank of a distributed server builds its engine
-    from these); `prefix_cache_mb` None: the machine's default (prefix_cache.default_budget)."""
-    budget = default_budget(_weight_bytes(model)) if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
+    from these); `prefix_cache_mb`, `memory_mb` None: the machine's defaults
+    (prefix_cache.default_budget, memory.default_budget)."""
+    weights = _weight_bytes(model)
+    budget = default_budget(weights) if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
+    caches = memory.default_budget(weights) if memory_mb is None else int(memory_mb) * 2**20
     return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
-                prefix_cache_bytes=budget, pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
+                prefix_cache_bytes=budget, pipeline_drafts=pipeline_drafts, compile_steps=compile_steps,
+                memory_bytes=caches)
+
+
+def _context_in_memory(model, mtp: bool, context_length: int, memory_bytes: int) -> int:
+    """The context length, capped at what one request's caches can reach in `memory_bytes`
+    (0: unbounded): a longer prompt then gets the API's "prompt is too long" 400."""
+    if memory_bytes <= 0:
+        log.info("memory for running requests: unbounded (--memory-mb 0, or the weights leave nothing "
+                 "under the device's limit)")
+        return context_length
+    fits = memory.measure(model_pieces(model, mtp)).max_positions(memory_bytes)
+    log.info("memory for running requests and the prefix cache: %d MiB (one request alone: %d tokens)",
+             memory_bytes >> 20, fits)
+    if fits < context_length:
+        log.warning("context length %d capped at %d tokens: what one request's caches can reach in memory",
+                    context_length, fits)
+    return min(context_length, fits)
 
 
 def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:

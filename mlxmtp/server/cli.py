@@ -33,6 +33,11 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--prefix-cache-mb", default=None, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off; default: a "
                    "quarter of the device's memory, at most half of what the model's weights leave).")
+@click.option("--memory-mb", default=None, type=click.IntRange(min=0),
+              help="Memory the caches of running requests and the prefix cache may take together (0 = "
+                   "unbounded; default: the device's limit, Metal's recommended working set, less the "
+                   "weights and a tenth). New prompts wait and the newest running ones pause to stay "
+                   "within it; the context length is capped at what one request can reach in it.")
 @click.option("--api-key", default=None, envvar="MLXMTP_API_KEY",
               help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every endpoint but /health "
                    "(also MLXMTP_API_KEY; an empty key is refused).")
@@ -51,7 +56,7 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
-          max_body_mb, prefix_cache_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
+          max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
           dist_timeout=30.0):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
@@ -73,7 +78,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
         from .app import engine_options  # on use, as above
 
         return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, num_draft, max_concurrent,
-                                                                   prefix_cache_mb, pipeline_drafts, compile_steps))
+                                                                   prefix_cache_mb, pipeline_drafts, compile_steps,
+                                                                   memory_mb))
     name = model or "mlxmtp-demo"
     log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
     if m.active:
@@ -90,7 +96,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
                      pipeline_drafts=pipeline_drafts, compile_steps=compile_steps,
                      engine_factory=_engine_factory(group, dist_timeout),
-                     max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, api_key=api_key,
+                     max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, memory_mb=memory_mb,
+                     api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.

@@ -11,9 +11,10 @@ from ..engine.request import Event, Request
 from .errors import APIError
 from .reasoning import OutputSplitter, Piece
 
-# A stream that has no token yet (a long prefill, or waiting for a batch slot) sends a
-# keep-alive this often: clients and proxies drop a connection silent for long (Claude
-# Code's stream watchdog, nginx's 60 s read timeout). Read at run time: tests shorten it.
+# A stream with no new token (a long prefill, waiting for a batch slot, or a request
+# that waits for memory to resume: engine/memory.py) sends a keep-alive this often:
+# clients and proxies drop a connection silent for long (Claude Code's stream watchdog,
+# nginx's 60 s read timeout). Read at run time: tests shorten it.
 KEEPALIVE_SECONDS = 5.0
 
 
@@ -68,8 +69,8 @@ class Generation:
             raise APIError(400, str(e)) from e
 
     async def _next(self, keepalive: bool) -> Optional[Event]:
-        """The next engine event; None when `keepalive` and KEEPALIVE_SECONDS passed before the first token."""
-        if not keepalive or self.token_ids:
+        """The next engine event; None when `keepalive` and KEEPALIVE_SECONDS passed without one."""
+        if not keepalive:
             return await self.queue.get()
         try:
             return await asyncio.wait_for(self.queue.get(), KEEPALIVE_SECONDS)
@@ -78,7 +79,8 @@ class Generation:
 
     async def updates(self, keepalive: bool = False) -> AsyncIterator[Tuple[List[Piece], Optional[Event]]]:
         """(pieces, event) per engine event; with `keepalive`, ([], None) each KEEPALIVE_SECONDS
-        until the first token: the stream sends its API's keep-alive then."""
+        without one (a long prefill, waiting for a batch slot or for memory): the stream sends
+        its API's keep-alive then."""
         last = None  # when the previous tokens came
         try:
             while True:

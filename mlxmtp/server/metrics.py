@@ -7,6 +7,7 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..engine.memory import MemoryGuard
 from ..engine.prefix_cache import PrefixCache
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -49,6 +50,12 @@ class Metrics:
                                           registry=r)
         self.prefix_cache_lookups = Gauge(p + "prefix_cache_lookups", "Prefix cache lookups by result, since the "
                                           "engine started.", ["result"], registry=r)
+        self.memory_budget = Gauge(p + "memory_budget_bytes", "What the caches of running requests and the "
+                                   "prefix cache may hold together (0: unbounded).", registry=r)
+        self.memory_running = Gauge(p + "memory_running_bytes", "What the caches of running requests take, "
+                                    "as the memory guard counts them.", registry=r)
+        self.memory_preempted = Gauge(p + "memory_preempted_requests", "Running requests sent back to wait "
+                                      "for memory, since the engine started.", registry=r)
         self._pos_totals: dict = {}
 
     def watch_prefix_cache(self, current: Callable[[], Optional[PrefixCache]]) -> None:
@@ -65,6 +72,16 @@ class Metrics:
         self.prefix_cache_entries.set_function(read(lambda c: len(c.entries)))
         self.prefix_cache_lookups.labels("hit").set_function(read(lambda c: c.hits))
         self.prefix_cache_lookups.labels("miss").set_function(read(lambda c: c.misses))
+
+    def watch_memory(self, current: Callable[[], Optional[MemoryGuard]]) -> None:
+        """Read the memory guard at each scrape; `current()`: the running engine's, or None."""
+
+        def read(field: Callable[[MemoryGuard], int]) -> Callable[[], float]:
+            return lambda: float(field(current())) if current() is not None else 0.0
+
+        self.memory_budget.set_function(read(lambda g: g.budget))
+        self.memory_running.set_function(read(lambda g: g.running))
+        self.memory_preempted.set_function(read(lambda g: g.preempted))
 
     def on_step(self, engine, decoded: bool) -> None:
         """From the engine thread after every step."""

@@ -67,7 +67,7 @@ def new_generation(state, body: dict, prompt: List[int], requested: Optional[int
 # ------------------------------------------------------------------ output side
 class Reply:
     """One API's output for one request. Streaming: `opening`, then per engine update
-    `update` (or `keepalive` while no token has come), `finish` at the end (which also
+    `update` (or `keepalive` while no token comes), `finish` at the end (which also
     reports a generation error in the API's shape), then `closing`. Not streaming:
     `response` builds the body from the finished Generation."""
 
@@ -115,7 +115,7 @@ async def events(gen: Generation, reply: Reply) -> AsyncIterator[str]:
     for chunk in reply.opening(gen):
         yield chunk
     async for pieces, ev in gen.updates(keepalive=True):
-        if ev is None:  # no token yet (a long prefill): keep the connection alive
+        if ev is None:  # no token for a while (a long prefill): keep the connection alive
             yield reply.keepalive()
             continue
         for chunk in reply.update(gen, pieces, ev):
