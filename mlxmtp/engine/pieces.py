@@ -67,8 +67,8 @@ def cycle_modes(shape_stable: Optional[bool], pipeline_drafts: bool, profile: bo
     Pipelined drafting cycles (cycle.launch_after) need shape-stable caches. Off by default:
     each cycle then builds the Gated DeltaNet rollback a cycle may need whether or not it
     is needed (a replay by one fused kernel on Metal, a select of recorded states
-    elsewhere); as a step-by-step replay that cost more than the overlap saved on a GPU,
-    and the select is still to be measured there (BENCHMARKS.md). Never while profiling,
+    elsewhere); on an H100 it did not beat synchronous cycles with either (BENCHMARKS.md).
+    Never while profiling,
     which evaluates each cycle's drafts on their own."""
     pipeline_drafts = pipeline_drafts and not profile
     if shape_stable is None:
