@@ -121,8 +121,9 @@ class MemoryGuard:
         """Bytes of a batch whose rows reach `lengths` positions."""
         return self.footprint.bytes(len(lengths), max(lengths)) if lengths else 0
 
-    def fits(self, lengths: Sequence[int]) -> bool:
-        """Whether rows reaching `lengths` fit, evicting prefix-cache entries if needed."""
+    def reserve(self, lengths: Sequence[int]) -> bool:
+        """Whether rows reaching `lengths` fit; if they do, they are what runs now
+        (`running`), and prefix-cache entries are evicted to make room for them."""
         if not self.enabled:
             return True
         need = self.need(lengths)
@@ -147,7 +148,7 @@ class MemoryGuard:
         self.running = self.need([*active, *started])
         for i, n in enumerate(unstarted):
             lengths.append(n + ADMIT_HEADROOM)
-            if not self.fits(lengths) and len(lengths) > 1:
+            if not self.reserve(lengths) and len(lengths) > 1:
                 return i
         return len(unstarted)
 
@@ -157,7 +158,7 @@ class MemoryGuard:
         if not self.enabled:
             return 0
         lengths = list(active)
-        while not self.fits([*lengths, *started]) and len(lengths) > 1:
+        while not self.reserve([*lengths, *started]) and len(lengths) > 1:
             lengths.pop()
         self.running = self.need([*lengths, *started])
         return len(active) - len(lengths)

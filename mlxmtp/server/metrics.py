@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -61,13 +62,7 @@ class Metrics:
     def watch_prefix_cache(self, current: Callable[[], Optional[PrefixCache]]) -> None:
         """Read the prefix cache's size and lookups at each scrape (not per decode step);
         `current()`: the running engine's PrefixCache, or None."""
-
-        def read(field: Callable[[PrefixCache], int]) -> Callable[[], float]:
-            def value() -> float:
-                cache = current()
-                return float(field(cache)) if cache is not None else 0.0
-            return value
-
+        read = functools.partial(_read_at_scrape, current)
         self.prefix_cache_bytes.set_function(read(lambda c: c.bytes))
         self.prefix_cache_entries.set_function(read(lambda c: len(c.entries)))
         self.prefix_cache_lookups.labels("hit").set_function(read(lambda c: c.hits))
@@ -75,10 +70,7 @@ class Metrics:
 
     def watch_memory(self, current: Callable[[], Optional[MemoryGuard]]) -> None:
         """Read the memory guard at each scrape; `current()`: the running engine's, or None."""
-
-        def read(field: Callable[[MemoryGuard], int]) -> Callable[[], float]:
-            return lambda: float(field(current())) if current() is not None else 0.0
-
+        read = functools.partial(_read_at_scrape, current)
         self.memory_budget.set_function(read(lambda g: g.budget))
         self.memory_running.set_function(read(lambda g: g.running))
         self.memory_preempted.set_function(read(lambda g: g.preempted))
@@ -109,3 +101,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _read_at_scrape(current: Callable[[], Optional[object]], field: Callable[[object], int]) -> Callable[[], float]:
+    """A gauge's value function: `field` of what `current()` returns then (0 while it is None)."""
+
+    def value() -> float:
+        obj = current()
+        return float(field(obj)) if obj is not None else 0.0
+    return value
