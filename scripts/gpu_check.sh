@@ -18,7 +18,9 @@
 # cache's tests: entries own their memory, branch points), rollback (bench/gdn_rollback.py:
 # selecting a recorded Gated DeltaNet state against replaying the recurrence; then depths 2
 # and 3, synchronous and pipelined, side by side, greedy), moe (scripts/moe_reference_probe.py:
-# whether the MoE fixture's states depend on how its tokens were split into forwards).
+# whether the MoE fixture's states depend on how its tokens were split into forwards), ops
+# (bench/graph_ops.py: operations per token, where the mx.fast ops are single kernels; and
+# scripts/gpu_op_probe.py: which of the demo's operations cost more for T tokens than for 1).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -71,6 +73,8 @@ for check in "$@"; do
         rollback) timeout 40 python3 bench/gdn_rollback.py 2>&1 | tee "$OUT/gdn_rollback.md"
                   timeout 200 python3 bench/decode.py --models demo --temps 0 --depths 2,3 --pipelined \
                       --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode_pipelined.md" ;;
+        ops) timeout 120 python3 bench/graph_ops.py --temps 0 --max-tokens 60 2>&1 | tee "$OUT/graph_ops.md"
+             timeout 90 python3 scripts/gpu_op_probe.py 2>&1 | tee "$OUT/op_probe.md" ;;
         moe) MLX_ENABLE_TF32=0 timeout 60 python3 scripts/moe_reference_probe.py 2>&1 | tee "$OUT/moe_probe.md" ;;
         *) echo "unknown check: $check" ;;
     esac

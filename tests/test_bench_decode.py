@@ -105,3 +105,34 @@ def test_gdn_rollback_bench_selects_with_fewer_ops_than_a_replay(monkeypatch, un
         assert replay_nodes >= 4 * 5 and select_nodes <= 9
         if B == 1 and not unread:
             assert select_nodes == 0
+
+
+def test_graph_ops_bench_counts_each_setting(fixture_model):
+    """bench/graph_ops.py: MTP off evaluates what mlx-lm does per token; a drafting
+    setting reports its drafts' and its verify's operations per cycle."""
+    bench = _bench_module("graph_ops")
+    from mlxmtp.models.load import load
+
+    model, tok = load(str(fixture_model("qwen3_5")["hf"]))
+    prompts = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    theirs = bench.run_setting(model, tok, prompts, 10, 0.0, None)
+    off = bench.run_setting(model, tok, prompts, 10, 0.0, {"enable_mtp": False})
+    assert theirs["tokens"] == off["tokens"] == 20 and off["ops"] == theirs["ops"]
+    k2 = bench.run_setting(model, tok, prompts, 10, 0.0, {"num_draft": 2})
+    # Near max_tokens the last cycles draft fewer (or none); k = 2 is the depth in use.
+    assert max(k2["depths"], key=k2["depths"].get) == 2 and set(k2["depths"]) <= {0, 1, 2}
+    assert 0 < k2["draft"] < k2["verify"] < k2["ops"] and k2["tokens"] >= 20
+
+
+def test_op_probe_times_every_operation():
+    """scripts/gpu_op_probe.py builds and times each operation kind for T = 1 and 3."""
+    sys.path.insert(0, str(BENCH.parent / "scripts"))
+    try:
+        import gpu_op_probe
+    finally:
+        sys.path.remove(str(BENCH.parent / "scripts"))
+    import mlx.core as mx
+
+    for name, make in gpu_op_probe.OPS.items():
+        for T in (1, 3):
+            assert gpu_op_probe.time_chain(make, T, mx.float16, chain=2, reps=1) > 0, name
