@@ -33,6 +33,7 @@ from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
+from mlxmtp.testing.graph_ops import OpCounter
 
 PARTS = ("draft build", "draft wait", "verify build", "verify wait", "finish", "other")
 
@@ -81,12 +82,17 @@ def profile_depth(model, tok, prompt, k, max_tokens, compile_steps=False, temp=0
 
 
 def host_device_split(model, sizes=(1, 2, 3, 4, 5), context=128, reps=20):
-    """Median ms to build one T-token forward's graph, and to evaluate it."""
+    """T -> (median ms to build one T-token forward's graph, to evaluate it, the operations
+    it evaluates: counted in an extra untimed forward)."""
     parts = model.parts
     cache = adapter.make_cache(parts, 1)
     mx.eval(adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)[0])
     out = {}
     for T in sizes:
+        with OpCounter() as ops:
+            mx.eval(adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)[0], *adapter.cache_arrays(cache))
+        for c in adapter.attention_caches(cache):
+            c.trim_rows([T])
         build, run = [], []
         for _ in range(reps + 2):
             t0 = time.perf_counter()
@@ -98,7 +104,7 @@ def host_device_split(model, sizes=(1, 2, 3, 4, 5), context=128, reps=20):
                 c.trim_rows([T])
             build.append(t1 - t0)
             run.append(t2 - t1)
-        out[T] = (1e3 * statistics.median(build[2:]), 1e3 * statistics.median(run[2:]))
+        out[T] = (1e3 * statistics.median(build[2:]), 1e3 * statistics.median(run[2:]), ops.kernels)
     return out
 
 
@@ -150,9 +156,10 @@ def main():
         total = sum(per.values())
         print(f"| {k} | " + " | ".join(f"{per[p]:.2f}" for p in PARTS)
               + f" | {total:.2f} | {tpc:.2f} | {total / tpc:.2f} | {tps:.1f} |")
-    print("\none forward of T tokens at 128 context: ms to build its graph / to evaluate it")
-    for T, (b, r) in host_device_split(model).items():
-        print(f"  T={T}: build {b:.2f} ms, evaluate {r:.2f} ms")
+    print("\none forward of T tokens at 128 context: ms to build its graph / to evaluate it, the operations")
+    print("it evaluates (one kernel launch each on a GPU) and microseconds of evaluation per operation")
+    for T, (b, r, n) in host_device_split(model).items():
+        print(f"  T={T}: build {b:.2f} ms, evaluate {r:.2f} ms, {n} operations, {1e3 * r / n:.2f} us per operation")
     print("\nfirst vs second run of never-seen prompt lengths (tok/s)")
     for k in [d for d in depths if d][:2]:
         for n, a, b in new_lengths(model, tok, k, (37, 151, 389), 40, compiled):

@@ -136,3 +136,15 @@ def test_op_probe_times_every_operation():
     for name, make in gpu_op_probe.OPS.items():
         for T in (1, 3):
             assert gpu_op_probe.time_chain(make, T, mx.float16, chain=2, reps=1) > 0, name
+
+
+def test_cycle_profile_splits_and_counts_each_forward(fixture_model):
+    """bench/cycle_profile.py's forward split: build and evaluation times, and the
+    operations evaluated, which grow with T (a Gated DeltaNet step per extra token)."""
+    bench = _bench_module("cycle_profile")
+    from mlxmtp.models.load import load
+
+    model, _ = load(str(fixture_model("qwen3_5")["hf"]))
+    split = bench.host_device_split(model, sizes=(1, 2), context=16, reps=1)
+    assert all(build > 0 and run > 0 for build, run, _ in split.values())
+    assert 0 < split[1][2] < split[2][2]
