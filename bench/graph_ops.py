@@ -1,8 +1,8 @@
 """Operations evaluated per generated token: what each setting launches on a GPU.
 
-On a GPU a small model's decode speed is bound by kernel launches, one per operation MLX
-evaluates, and by the host work of building them (see mlxmtp/testing/graph_ops.py). This
-counts them exactly, on any backend, for mlx-lm's own greedy decoding, MTP off, adaptive
+On a GPU each operation MLX evaluates is one kernel launch, built and encoded by the
+host; for a small model that is much of a decode step's cost (see
+mlxmtp/testing/graph_ops.py). This counts them exactly, on any backend, for mlx-lm's own greedy decoding, MTP off, adaptive
 depth and fixed depths (with and without compiled head steps), over the demo's prompts:
 - ops/token: every operation evaluated after the first token, per token emitted;
 - mlx-lm / ours: how much fewer operations per token than mlx-lm (above 1: fewer), the

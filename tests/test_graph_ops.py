@@ -1,8 +1,8 @@
 """What a decode step launches on a GPU, counted exactly (mlxmtp/testing/graph_ops.py).
 
-On a GPU a small model's decode speed is bound by the operations MLX evaluates (one
-kernel each) and the host work of building them. Counted on any backend, they make
-three of the issue's GPU targets checkable without a GPU and without timing noise:
+On a GPU each operation MLX evaluates is a kernel launch, which a small model's decode
+step pays in host and launch time. Counted on any backend, the operations check
+the kernel side of three of the GPU targets without a GPU and without timing noise:
 - plain decoding (MTP off) evaluates no more operations per token than mlx-lm's own
   decoding, for every family;
 - an engine with the head, held at plain decoding (where the depth policy settles when

@@ -1,11 +1,12 @@
 """Count the operations MLX evaluates: what a decode step launches on a GPU.
 
 On a GPU each operation MLX evaluates is one kernel launch (a run of elementwise ops
-that `mx.compile` fused is one), encoded by the host as it evaluates. A small model's
-decode step is bound by those launches and the host work around them rather than by
-the device's arithmetic, so the operations per generated token are a deterministic
-measure of that cost, and they can be counted on any backend: two ways of decoding the
-same tokens compare exactly, with none of a timing's noise.
+that `mx.compile` fused is one), encoded by the host as it evaluates. For a small model
+those launches and the host work around them are much of a decode step's cost, so the
+operations per generated token measure that part of it deterministically, on any
+backend: two ways of decoding the same tokens compare exactly, with none of a timing's
+noise. (What each operation costs on the device is another matter: see
+scripts/gpu_op_probe.py.)
 
 `OpCounter` wraps MLX's evaluation entry points while it is active (`mx.eval`,
 `mx.async_eval`, and the reads that evaluate: `item`, `tolist`, `int`, `float`, `bool`).
