@@ -148,3 +148,16 @@ def test_cycle_profile_splits_and_counts_each_forward(fixture_model):
     split = bench.host_device_split(model, sizes=(1, 2), context=16, reps=1)
     assert all(build > 0 and run > 0 for build, run, _ in split.values())
     assert 0 < split[1][2] < split[2][2]
+
+
+def test_row_leaves_bench_measures_the_short_row_alone_and_after(fixture_model):
+    """bench/row_leaves.py: the short row's speed alone and once the long row has left,
+    with the attention buffers then cut to the short row's capacity."""
+    bench = _bench_module("row_leaves")
+    from mlxmtp.models.load import load
+
+    model, tok = load(str(fixture_model("qwen3_5")["hf"]))
+    short, long = list(range(3, 23)), [(7 * i) % 280 + 3 for i in range(600)]
+    for other in (None, long):
+        speed, cap = bench.short_row_speed(model, tok, short, other, 2, 12)
+        assert speed > 0 and cap == 256

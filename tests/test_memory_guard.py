@@ -164,3 +164,49 @@ def test_the_server_caps_the_context_at_what_memory_holds(start_server, server_m
                for s in f.samples}
     assert samples["mlxmtp_memory_budget_bytes"] == 1 << 20
     assert samples["mlxmtp_memory_preempted_requests"] == 0
+
+
+def test_rows_left_behind_give_back_the_capacity_of_a_longer_one():
+    """A batch's buffers are cut to what the rows kept need when a longer row leaves (as a
+    batch it runs with), and the kept rows' keys and values stay as they were."""
+    import mlx.core as mx
+
+    c = RaggedKVCache(3)
+    k = mx.random.normal((3, 2, 700, 8))
+    c.update_and_fetch(k, k + 1)
+    c.lengths = [700, 30, 260]
+    c.filter([1, 2])
+    assert c.keys.shape == (2, 2, 2 * RaggedKVCache.step, 8) and c.lengths == [30, 260]
+    assert mx.array_equal(c.keys[0, :, :30], k[1, :, :30]) and mx.array_equal(c.values[1, :, :260], k[2, :, :260] + 1)
+    c.filter([0])
+    assert c.keys.shape[2] == RaggedKVCache.step and mx.array_equal(c.keys[0, :, :30], k[1, :, :30])
+
+
+@pytest.mark.parametrize("shape_stable", [False, True], ids=["sliced", "shape-stable"])
+def test_a_long_row_that_leaves_takes_its_capacity_with_it(fixture_model, monkeypatch, shape_stable):
+    """A long prompt and a short one run together; once the long one has finished, two more
+    short ones join. The budget holds two rows at the long capacity: three short rows fit
+    it only if the rows left behind no longer hold (or attend over) the long row's buffer."""
+    monkeypatch.setattr(memory, "ADMIT_HEADROOM", 0)
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    long = Request(prompt=prompt_of(600, seed=31), max_tokens=4)
+    shorts = [Request(prompt=prompt_of(20 + i, seed=32 + i), max_tokens=60) for i in range(3)]
+    budget = _budget_for(model, 2, 600 + 1 + 4)
+    eng = BatchGenerator(model, tok, num_draft=2, memory_bytes=budget, shape_stable=shape_stable)
+    eng.submit(long)
+    eng.submit(shorts[0])
+    outs, later = {}, list(shorts[1:])
+    while eng.has_work:
+        for ev in eng.step():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.request_id == long.id and ev.finish_reason:
+                for req in later:
+                    eng.submit(req)
+        assert held_bytes(eng) <= eng.memory.budget
+        if long.id in outs and eng.rows and all(r.req.id != long.id for r in eng.rows):
+            for c in eng.cache + eng.head_cache:
+                if isinstance(c, RaggedKVCache):
+                    assert c.keys.shape[2] == RaggedKVCache.step
+    assert eng.memory.preempted == 0
+    for req in [long, *shorts]:
+        assert outs[req.id] == reference_greedy(ref, req.prompt, req.max_tokens)

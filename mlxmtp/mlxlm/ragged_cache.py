@@ -147,11 +147,18 @@ class RaggedKVCache:
 
     # --- batching ---------------------------------------------------------------------
     def filter(self, rows: List[int]) -> None:
+        """Keep `rows`, in buffers cut to the capacity they need. A row that leaves may
+        have been the longest: the others must not go on holding (and, in shape-stable
+        forwards, attending over) its capacity for as long as the batch runs."""
         idx = mx.array(rows)
+        self.lengths = [self.lengths[r] for r in rows]  # upper bounds while trims are deferred
         if self.keys is not None:
-            self.keys, self.values = self.keys[idx], self.values[idx]
+            cap = max(self.step, -(-max(self.lengths, default=0) // self.step) * self.step)
+            cap = min(cap, self.keys.shape[2])
+            # Cut, then gather: the new buffers are the kept rows at `cap`, nothing more.
+            self.keys = mx.take(self.keys[:, :, :cap], idx, axis=0)
+            self.values = mx.take(self.values[:, :, :cap], idx, axis=0)
         self.deferred = [t[idx] for t in self.deferred]
-        self.lengths = [self.lengths[r] for r in rows]
 
     def extend(self, other: "RaggedKVCache") -> None:
         """Append other's rows; an empty side gets zero rows (its lengths say they are unused)."""
