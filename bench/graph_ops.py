@@ -2,13 +2,16 @@
 
 On a GPU each operation MLX evaluates is one kernel launch, built and encoded by the
 host; for a small model that is much of a decode step's cost (see
-mlxmtp/testing/graph_ops.py). This counts them exactly, on any backend, for mlx-lm's own greedy decoding, MTP off, adaptive
-depth and fixed depths (with and without compiled head steps), over the demo's prompts:
+mlxmtp/testing/graph_ops.py). This counts them exactly, on any backend, for mlx-lm's
+own decoding, MTP off, adaptive depth and fixed depths (with and without compiled head
+steps), over the demo's prompts:
 - ops/token: every operation evaluated after the first token, per token emitted;
 - mlx-lm / ours: how much fewer operations per token than mlx-lm (above 1: fewer), the
   speed-up a decode bound by launches alone could reach;
 - per cycle: the head's drafts, the verify forward with its acceptance (and, in plain
-  decoding, the forward), and tokens emitted per cycle.
+  decoding, the forward), and tokens emitted per cycle;
+- four sampled requests decoding together, per cycle, for temperature alone, with top-p
+  and top-k, and with a repetition penalty (a logits processor: decided row by row).
 Counts are deterministic for greedy fixed settings; adaptive depth follows this machine's
 timings. On the CPU the `mx.fast` ops run as their fallback ops (one kernel each on a GPU).
 
@@ -28,6 +31,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.generate import stream_generate
+from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.load import load
 from mlxmtp.testing.graph_ops import OpCounter
@@ -89,6 +93,38 @@ def run_setting(model, tok, prompts, n, temp, options):
     return tot
 
 
+# Sampled batches (every row with the same settings, as agents sharing a client's): the
+# operations of a cycle, drafting and deciding all rows.
+BATCH_PARAMS = [("temperature 0.7", {"temperature": 0.7}),
+                ("temperature 0.7, top_p 0.95, top_k 20", {"temperature": 0.7, "top_p": 0.95, "top_k": 20}),
+                ("temperature 0.7, repetition_penalty 1.1", {"temperature": 0.7, "repetition_penalty": 1.1})]
+
+
+def batch_ops_per_cycle(model, tok, prompts, rows, params, k, steps=20):
+    """Operations per decode cycle of `rows` requests decoding together at depth k (0: MTP
+    off), counted over `steps` engine steps once all have started."""
+    engine = BatchGenerator(model, tok, enable_mtp=k > 0, num_draft=k or None)
+    for b in range(rows):
+        engine.submit(Request(prompt=prompts[b % len(prompts)], max_tokens=steps * (k + 1) + 20,
+                              params=SamplingParams(**params, seed=b)))
+    while len(engine.rows) < rows:
+        engine.step()
+    with OpCounter() as ops:
+        start = engine.cycles
+        for _ in range(steps):
+            engine.step()
+    return ops.kernels / (engine.cycles - start)
+
+
+def report_batches(model, tok, prompts, rows=4):
+    print(f"\n{rows} sampled requests at once: operations per cycle")
+    print("| settings | MTP off | k=3 |")
+    print("|---|---|---|")
+    for label, params in BATCH_PARAMS:
+        off, k3 = (batch_ops_per_cycle(model, tok, prompts, rows, params, k) for k in (0, 3))
+        print(f"| {label} | {off:.0f} | {k3:.0f} |")
+
+
 def report(model, tok, prompts, n, temps):
     print(f"device: {mx.default_device()}   prompts: {len(prompts)}   tokens each: {n}")
     for temp in temps:
@@ -119,6 +155,7 @@ def main():
         model, tok = load(model_path(args.model, tmp)[0])
         prompts = [tok.encode(p) for p in PROMPTS]
         report(model, tok, prompts, args.max_tokens, [float(t) for t in args.temps.split(",")])
+        report_batches(model, tok, prompts)
 
 
 if __name__ == "__main__":

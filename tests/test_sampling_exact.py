@@ -172,10 +172,13 @@ def test_engine_catches_biased_acceptance_rule(tiny_vocab_model, plain_samples):
 
 
 @pytest.mark.slow
-def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model):
-    """top-k / top-p / repetition penalty are applied to p and q alike."""
+@pytest.mark.parametrize("penalty", [1.3, None], ids=["row by row", "vectorised"])
+def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model, penalty):
+    """top-k / top-p / repetition penalty are applied to p and q alike: with a processor
+    each row is decided on its own, without one the filtered rows in groups
+    (sampling.filter_groups)."""
     model, tok = tiny_vocab_model
-    params = dict(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.3)
+    params = dict(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=penalty)
     n = 600
     plain = _sample_tokens(model, tok, enable_mtp=False, rule="exact", n=n, params=params, seed0=0)
     mtp = _sample_tokens(model, tok, enable_mtp=True, rule="exact", n=n, params=params, seed0=n)
@@ -211,6 +214,42 @@ def test_vectorised_accept_equals_each_row_alone():
     assert len(set(kept.tolist())) > 1  # rows kept different numbers of drafts
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_vectorised_rows_decide_as_row_by_row(k):
+    """A batch of greedy, temperature-only and filtered rows (two sharing their settings)
+    drafts and decides exactly as the row-by-row path does (the path a batch takes when a
+    row has a logits processor; an identity processor forces it here): the same drafts,
+    the same q of every sampled row, the same kept counts and tokens, from float16 logits."""
+    from mlxmtp.engine.verify import VerifyMetadata, accept, picker
+
+    settings = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_p=0.7, top_k=40),
+                dict(temperature=0.8, top_p=0.7, top_k=40), dict(temperature=1.2, min_p=0.05),
+                dict(temperature=0.5, top_k=5)]
+    B, V = len(settings), 300
+    logits = (3 * mx.random.normal((B, k + 1, V), key=mx.random.key(7))).astype(mx.float16)
+
+    def run(row_by_row):
+        procs = [lambda ctx, lg: lg] if row_by_row else []
+        samplers = [RowSampler(SamplingParams(**st, seed=b, logits_processors=list(procs)))
+                    for b, st in enumerate(settings)]
+        pick = picker(samplers, [[1, 2]] * B, list(range(B)))
+        drafts, qs = mx.zeros((B, 0), mx.int32), []
+        for j in range(k):
+            tok, q = pick(j, logits[:, j], drafts)
+            drafts = mx.concatenate([drafts, tok.astype(mx.int32)[:, None]], axis=1)
+            qs.append(q)
+        q = mx.stack(qs, axis=1) if qs else None
+        kept, tokens, _ = accept(VerifyMetadata(drafts, q, samplers, [[1, 2]] * B, list(range(B)), None), logits)
+        return drafts, q, kept, tokens
+
+    mine, theirs = run(False), run(True)
+    sampled = mx.array([b for b, st in enumerate(settings) if st["temperature"] > 0])
+    assert mine[0].tolist() == theirs[0].tolist()
+    if k:
+        assert mx.array_equal(mine[1][sampled], theirs[1][sampled].astype(mx.float32))
+    assert mine[2].tolist() == theirs[2].tolist() and mine[3].tolist() == theirs[3].tolist()
+
+
 def _run_together(model, tok, requests, **engine_options):
     eng = BatchGenerator(model, tok, max_batch=8, prefix_cache_bytes=0, **engine_options)
     ids = [eng.submit(r) for r in requests]
@@ -244,32 +283,86 @@ def test_a_seeded_sampled_row_draws_the_same_alone_or_in_any_batch(tiny_vocab_mo
     assert plain == alone and mixed == alone
 
 
+@pytest.mark.parametrize("num_draft", [0, 3])
+@pytest.mark.parametrize("which", ["float32 fixture", "float16 demo"])
+def test_a_seeded_filtered_row_draws_the_same_alone_or_in_any_batch(tiny_vocab_model, num_draft, which):
+    """The same for a row with top-p and top-k (decided with the other rows of its group of
+    equal settings, sampling.filter_groups): alone, in a batch of greedy, temperature-only
+    and other filtered rows and a row of its own settings, and in a batch with a row
+    that has a logits processor (decided row by row). On a float16 model too, whose
+    filtered log-probabilities are float16."""
+    if which == "float16 demo":
+        from mlxmtp.models.demo import demo_model_path
+
+        model, tok = load(str(demo_model_path()))
+    else:
+        model, tok = tiny_vocab_model
+    opts = dict(enable_mtp=num_draft > 0, num_draft=num_draft or None)
+    mine_params = dict(temperature=0.9, top_p=0.8, top_k=12)
+
+    def mine(seed=11):
+        return Request(prompt=[5, 17, 42, 9, 33, 2], max_tokens=24, params=SamplingParams(**mine_params, seed=seed))
+
+    # The others ask for fewer tokens: a cycle drafts up to the room of the row with the
+    # most left, and a different depth would draw from other keys than the row alone does.
+    def other(seed, **params):
+        return Request(prompt=[7, 7, 2, 40], max_tokens=8, params=SamplingParams(seed=seed, **params))
+
+    alone = _run_together(model, tok, [mine()], **opts)[0]
+    same_settings = Request(prompt=[9, 4, 4], max_tokens=8, params=SamplingParams(**mine_params, seed=12))
+    batch = [other(1), mine(), other(2, temperature=1.1), other(3, temperature=0.7, min_p=0.1), same_settings,
+             other(4, temperature=0.9, top_p=0.5)]
+    together = _run_together(model, tok, batch, **opts)[1]
+    mixed = _run_together(model, tok, [other(5, temperature=1.3, repetition_penalty=1.2), mine()], **opts)[1]
+    assert len(alone) == 24
+    assert together == alone and mixed == alone
+
+
 def _graph_nodes(*arrays) -> int:
     out = io.StringIO()
     mx.export_to_dot(out, *arrays)
     return len(re.findall(r'label\s*=\s*"[A-Za-z]', out.getvalue()))
 
 
+def _pick_and_accept_nodes(params, k=3, V=500):
+    """Graph nodes of one draft pick and of one accept step (depth k) for rows of `params`."""
+    from mlxmtp.engine.verify import VerifyMetadata, accept, picker
+
+    B = len(params)
+    samplers = [RowSampler(p) for p in params]
+    logits = mx.random.normal((B, k + 1, V), key=mx.random.key(B))
+    mx.eval(logits, *[s.key for s in samplers])
+    tok, q = picker(samplers, [[0]] * B, [0] * B)(0, logits[:, 0], mx.zeros((B, 0), mx.int32))
+    drafts = mx.zeros((B, k), mx.int32)
+    qs = mx.broadcast_to(q[:, None], (B, k, V))
+    kept, tokens, _ = accept(VerifyMetadata(drafts, qs, samplers, [[0]] * B, [0] * B, None), logits)
+    return _graph_nodes(tok, q), _graph_nodes(kept, tokens)
+
+
 def test_a_batch_of_sampled_rows_is_drafted_and_decided_by_one_set_of_ops():
     """Temperature-only rows draw their drafts and are accepted in vectorised steps: eight
     rows build about as many operations as one (row by row, each row added its own dozens,
     which a GPU pays in kernel launches every cycle)."""
-    from mlxmtp.engine.verify import VerifyMetadata, accept, picker
-
-    k, V = 3, 500
-
     def nodes(B):
-        samplers = [RowSampler(SamplingParams(temperature=0.7, seed=b)) for b in range(B)]
-        logits = mx.random.normal((B, k + 1, V), key=mx.random.key(B))
-        mx.eval(logits, *[s.key for s in samplers])
-        tok, q = picker(samplers, [[0]] * B, [0] * B)(0, logits[:, 0], mx.zeros((B, 0), mx.int32))
-        drafts = mx.zeros((B, k), mx.int32)
-        qs = mx.broadcast_to(q[:, None], (B, k, V))
-        kept, tokens, _ = accept(VerifyMetadata(drafts, qs, samplers, [[0]] * B, [0] * B, None), logits)
-        return _graph_nodes(tok, q), _graph_nodes(kept, tokens)
+        return _pick_and_accept_nodes([SamplingParams(temperature=0.7, seed=b) for b in range(B)])
 
     (pick1, accept1), (pick8, accept8) = nodes(1), nodes(8)
     # What each further row adds is a few views of its key (row by row it added ~40 nodes
     # to each step).
     assert pick8 - pick1 <= 7 * 3 and accept8 - accept1 <= 7 * 8, (pick1, pick8, accept1, accept8)
+
+
+def test_a_batch_of_filtered_rows_is_drafted_and_decided_by_one_set_of_ops():
+    """Rows with top-p / top-k that share their settings are filtered by one call for all
+    of them (sampling.filter_groups): eight such rows build about as many operations as
+    one, a second group of other settings about one set more (row by row, eight rows
+    built eight times the operations of one)."""
+    def nodes(B, groups=1):
+        return _pick_and_accept_nodes([SamplingParams(temperature=0.7, top_p=0.9 - 0.1 * (b % groups), top_k=50,
+                                                      seed=b) for b in range(B)])
+
+    (pick1, accept1), (pick8, accept8), (pick8b, accept8b) = nodes(1), nodes(8), nodes(8, groups=2)
+    assert pick8 - pick1 <= 7 * 3 and accept8 - accept1 <= 7 * 8, (pick1, pick8, accept1, accept8)
+    # A second group adds one set more, and the gathers and writes of both groups' rows.
+    assert pick8b - pick8 < 1.5 * pick1 and accept8b - accept8 < accept1, (pick1, pick8, pick8b, accept1, accept8b)
 

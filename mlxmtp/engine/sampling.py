@@ -115,6 +115,55 @@ def next_keys(samplers: Sequence["RowSampler"]) -> mx.array:
     return pairs[:, 1]
 
 
+def filter_groups(samplers: Sequence["RowSampler"]) -> List[List[int]]:
+    """The sampled rows with filters (top-p, min-p, top-k), grouped by (temperature, top_p,
+    min_p, top_k): mlx-lm's filters take one value per call, and the agents of a batch
+    usually share theirs, so a group is filtered by one call for all its rows (a GPU pays
+    every operation in launches, row by row it paid each row's)."""
+    groups: dict = {}
+    for b, s in enumerate(samplers):
+        if s.filtered and not s.params.greedy:
+            groups.setdefault(s.filter_key, []).append(b)
+    return list(groups.values())
+
+
+def any_tempered(samplers: Sequence["RowSampler"]) -> bool:
+    """Whether some row samples at a temperature without filters (the compiled steps' rows)."""
+    return any(not s.filtered and not s.params.greedy for s in samplers)
+
+
+def with_filtered_rows(lp: mx.array, logits: mx.array, samplers: Sequence["RowSampler"]) -> mx.array:
+    """lp [B, ..., V] float32 with each filtered row's replaced by its own sampler's
+    `logprobs` of logits [B, ..., V] (the same numbers alone or in any batch)."""
+    for rows in filter_groups(samplers):
+        lp = _put_rows(lp, rows, samplers[rows[0]].logprobs(_rows(logits, rows)).astype(lp.dtype))
+    return lp
+
+
+def filtered_picks(logits: mx.array, samplers: Sequence["RowSampler"], keys: mx.array, toks: mx.array,
+                   lp: Optional[mx.array] = None):
+    """Draws [B] (and their log-probabilities [B, V]) of a batch, with each filtered row's
+    replaced by what its own sampler's `pick` draws from logits [B, V] with keys [B, 2]."""
+    for rows in filter_groups(samplers):
+        lp_g = samplers[rows[0]].logprobs(_rows(logits, rows)).astype(mx.float32)
+        toks = _put_rows(toks, rows, mx.argmax(lp_g + gumbel_rows(_rows(keys, rows), logits.shape[-1]), axis=-1))
+        if lp is not None:
+            lp = _put_rows(lp, rows, lp_g)
+    return toks, lp
+
+
+def _rows(x: mx.array, rows: List[int]) -> mx.array:
+    return x if rows == list(range(x.shape[0])) else x[mx.array(rows)]
+
+
+def _put_rows(x: mx.array, rows: List[int], values: mx.array) -> mx.array:
+    """x with x[rows] = values (all of x when `rows` is every row: no scatter)."""
+    if rows == list(range(x.shape[0])):
+        return values.astype(x.dtype)
+    x[mx.array(rows)] = values
+    return x
+
+
 def inverse_temperatures(samplers: Sequence["RowSampler"]) -> mx.array:
     """[B, 1] float32: 1 / temperature per row (1 for a greedy row, whose draw is not used)."""
     return mx.array([[1.0 / s.params.temperature if s.params.temperature > 0 else 1.0] for s in samplers],
@@ -130,9 +179,10 @@ class RowSampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.key = mx.random.key(seed)  # split for every draw (`next_key`, `next_keys`)
         self.filtered = 0 < params.top_p < 1.0 or params.min_p != 0.0 or params.top_k > 0
-        # Temperature alone (or greedy), no processor: a batch of such rows is decided by
-        # single vectorised steps (see `tempered_picks`, verify.accept).
-        self.plain = not self.filtered and not self.procs
+        # Rows without processors are drafted and decided together (verify.accept): the
+        # temperature-only ones by one compiled step (`tempered_picks`), filtered ones by
+        # one call per group of equal settings (`filter_groups`).
+        self.filter_key = (params.temperature, params.top_p, params.min_p, params.top_k)
         self._inv_temps = inverse_temperatures([self])
 
     def next_key(self):

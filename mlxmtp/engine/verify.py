@@ -26,11 +26,14 @@ from .failures import blame
 from .rejection_sampler import rows_noise, rules
 from .sampling import (
     RowSampler,
+    any_tempered,
+    filtered_picks,
     inverse_temperatures,
     next_keys,
     tempered_draws,
     tempered_logprobs,
     tempered_picks,
+    with_filtered_rows,
 )
 from .state import Row
 
@@ -98,8 +101,8 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
             kept, tokens = rules(meta.rule, meta.compiled)[0](logits, meta.drafts)
         tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
         return kept, tokens.astype(mx.int32), tables
-    if all(sm.plain for sm in meta.samplers):
-        return _accept_tempered(meta, logits)
+    if not any(sm.procs for sm in meta.samplers):
+        return _accept_vectorised(meta, logits)
     lg, p_rows, noise = [], [], []
     for b in range(B):  # each row's own code: processors, its p and random numbers
         with blame(meta.request_ids[b]):
@@ -118,20 +121,25 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
     return kept.astype(mx.int32), tokens, tables
 
 
-def _accept_tempered(meta: VerifyMetadata, logits: mx.array):
-    """`accept` for a batch of temperature-only and greedy rows without processors (the
-    usual sampled batch): every row's p, random numbers and decision in single vectorised
-    steps, the same rules as row by row (each row's numbers from its own key)."""
+def _accept_vectorised(meta: VerifyMetadata, logits: mx.array):
+    """`accept` for a batch of rows without processors (the usual sampled batch: greedy,
+    temperature-only and filtered rows): every row's p, random numbers and decision in
+    single vectorised steps (filtered rows' p: one call per group, sampling.filter_groups),
+    the same rules as row by row (each row's numbers from its own key)."""
     B, k, V = logits.shape[0], meta.num_drafts, logits.shape[-1]
     inv_temps, keys = inverse_temperatures(meta.samplers), next_keys(meta.samplers)
     greedy = [sm.params.greedy for sm in meta.samplers]
+    tempered = any_tempered(meta.samplers)  # else the filtered rows' steps alone
     if k == 0:
-        kept, tokens = mx.zeros((B,), dtype=mx.int32), tempered_draws(logits[:, 0], inv_temps, keys)[:, None]
+        base = tempered_draws(logits[:, 0], inv_temps, keys) if tempered else mx.zeros((B,), mx.uint32)
+        draws, _ = filtered_picks(logits[:, 0], meta.samplers, keys, base)
+        kept, tokens = mx.zeros((B,), dtype=mx.int32), draws[:, None]
         if any(greedy):
             tokens = mx.where(mx.array(greedy)[:, None], mx.argmax(logits, axis=-1), tokens)
     else:
         accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
-        p = tempered_logprobs(logits, inv_temps[:, :, None])
+        base = tempered_logprobs(logits, inv_temps[:, :, None]) if tempered else mx.zeros(logits.shape, mx.float32)
+        p = with_filtered_rows(base, logits, meta.samplers)
         u, g = rows_noise(keys, k, V)
         kept, tokens = accept_sampled_rows(p, meta.draft_logprobs.astype(p.dtype), meta.drafts, u, g)
         if any(greedy):
@@ -169,7 +177,9 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
     kept, tokens = accept_greedy(lg, drafts)
     if any(sampled):
         V = lg.shape[-1]
-        p = mx.stack([p_b if p_b is not None else mx.zeros((k + 1, V), lg.dtype) for p_b in p_rows])
+        # float32, as in the vectorised accept: a row decides alike in either kind of batch.
+        p = mx.stack([p_b.astype(mx.float32) if p_b is not None else mx.zeros((k + 1, V), mx.float32)
+                      for p_b in p_rows])
         q = meta.draft_logprobs
         u = mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise])
         g = mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])
@@ -192,8 +202,8 @@ def picker(samplers: List[RowSampler], contexts: List[List[int]], request_ids: L
     drafts [B] and the log-probabilities [B, V] they were drawn from (None: all greedy)."""
     if _plain_greedy(samplers):
         return lambda step, logits, so_far: (mx.argmax(logits, axis=-1), None)
-    if all(s.plain for s in samplers):
-        return _tempered_picker(samplers)
+    if not any(s.procs for s in samplers):
+        return _vectorised_picker(samplers)
 
     def pick(step, logits, so_far):
         toks, qs = [], []
@@ -207,14 +217,22 @@ def picker(samplers: List[RowSampler], contexts: List[List[int]], request_ids: L
     return pick
 
 
-def _tempered_picker(samplers: List[RowSampler]):
-    """The picker of temperature-only and greedy rows without processors: every row's draft
-    in one compiled step (sampling.tempered_picks), greedy rows' replaced by their argmax."""
+def _vectorised_picker(samplers: List[RowSampler]):
+    """The picker of rows without processors: every row's draft in one compiled step
+    (sampling.tempered_picks), filtered rows' replaced by their groups' draws
+    (sampling.filtered_picks), greedy rows' by their argmax."""
     inv_temps = inverse_temperatures(samplers)
     greedy = mx.array([s.params.greedy for s in samplers]) if any(s.params.greedy for s in samplers) else None
 
+    tempered = any_tempered(samplers)  # else the filtered rows' steps alone
+
     def pick(step, logits, so_far):
-        toks, lp = tempered_picks(logits, inv_temps, next_keys(samplers))
+        keys = next_keys(samplers)
+        if tempered:
+            base = tempered_picks(logits, inv_temps, keys)
+        else:
+            base = mx.zeros(logits.shape[:1], mx.uint32), mx.zeros(logits.shape, mx.float32)
+        toks, lp = filtered_picks(logits, samplers, keys, *base)
         if greedy is not None:
             toks = mx.where(greedy, mx.argmax(logits, axis=-1), toks)
         return toks, lp
