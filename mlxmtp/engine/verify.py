@@ -223,7 +223,6 @@ def _vectorised_picker(samplers: List[RowSampler]):
     (sampling.filtered_picks), greedy rows' by their argmax."""
     inv_temps = inverse_temperatures(samplers)
     greedy = mx.array([s.params.greedy for s in samplers]) if any(s.params.greedy for s in samplers) else None
-
     tempered = any_tempered(samplers)  # else the filtered rows' steps alone
 
     def pick(step, logits, so_far):
