@@ -65,7 +65,7 @@ class RaggedKVCache:
         cap = 0 if self.keys is None else self.keys.shape[2]
         if needed <= cap:
             return
-        new_cap = ((needed + self.step - 1) // self.step) * self.step
+        new_cap = self._whole_steps(needed)
         k = mx.zeros((B, H, new_cap - cap, Dk), keys.dtype)
         v = mx.zeros((B, H, new_cap - cap, Dv), values.dtype)
         if self.keys is None:
@@ -73,6 +73,10 @@ class RaggedKVCache:
         else:
             self.keys = mx.concatenate([self.keys, k], axis=2)
             self.values = mx.concatenate([self.values, v], axis=2)
+
+    def _whole_steps(self, positions: int) -> int:
+        """The capacity that holds `positions`: buffers grow (and are cut) in whole steps."""
+        return -(-positions // self.step) * self.step
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         T = keys.shape[2]
@@ -112,7 +116,7 @@ class RaggedKVCache:
         """The buffer's capacity once N more tokens are written (what _grow makes it)."""
         cap = 0 if self.keys is None else self.keys.shape[2]
         needed = max(self.lengths) + N
-        return cap if needed <= cap else ((needed + self.step - 1) // self.step) * self.step
+        return cap if needed <= cap else self._whole_steps(needed)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if self.fixed_shape(N):
@@ -153,7 +157,7 @@ class RaggedKVCache:
         idx = mx.array(rows)
         self.lengths = [self.lengths[r] for r in rows]  # upper bounds while trims are deferred
         if self.keys is not None:
-            cap = max(self.step, -(-max(self.lengths, default=0) // self.step) * self.step)
+            cap = max(self.step, self._whole_steps(max(self.lengths, default=0)))
             cap = min(cap, self.keys.shape[2])
             # Cut, then gather: the new buffers are the kept rows at `cap`, nothing more.
             self.keys = mx.take(self.keys[:, :, :cap], idx, axis=0)
