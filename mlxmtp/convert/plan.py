@@ -1,0 +1,210 @@
+"""The plan of `mlxmtp add-mtp-weights`: where the source head is, what it becomes.
+
+Reads configs and safetensors headers only (no tensor data): which source shards hold
+`mtp.*` (an HF id downloads just those), one `Job` per MTPHead parameter with its shape,
+and the source dtype. `quantization.choose_quantization` then sets each job's quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import snapshot_download
+from tqdm.auto import tqdm
+
+from ..checkpoint import hf_head, mtp_folder
+from ..checkpoint.tensor_files import ST_DTYPES, TensorFileError, TensorReader, nbytes
+from ..mlxlm.family import UnsupportedModelError, family_of
+
+
+class AddMTPError(ValueError):
+    """Refused: the message says why; nothing was written."""
+
+
+Echo = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------
+# Source: local folder or HF id, only the shards holding the head
+# ---------------------------------------------------------------------------
+
+
+def _hf_offline() -> bool:
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return env or bool(hf_constants.HF_HUB_OFFLINE)
+
+
+def _snapshot(repo_id: str, patterns: List[str], revision: Optional[str], progress: bool) -> Path:
+    kwargs = dict(revision=revision, allow_patterns=patterns, local_files_only=_hf_offline())
+    if os.environ.get("HF_HUB_CACHE"):  # read at call time (huggingface_hub reads it at import)
+        kwargs["cache_dir"] = os.environ["HF_HUB_CACHE"]
+    if progress:
+        kwargs["tqdm_class"] = tqdm
+    try:
+        return Path(snapshot_download(repo_id, **kwargs))
+    except Exception as e:  # network / cache / auth errors: one clear message
+        raise AddMTPError(f"could not fetch {patterns} of {repo_id!r} from Hugging Face: {e}") from e
+
+
+def fetch_source(source: str, *, shards: bool = True, revision: Optional[str] = None,
+                 progress: bool = True) -> Tuple[Path, Dict[str, str]]:
+    """(folder, {mtp tensor: shard}). An HF id downloads config + index, then (if `shards`)
+    only the shards that hold `mtp.*` tensors."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        files = hf_head.mtp_tensor_files(p)
+        return p, files
+    if p.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
+        raise AddMTPError(f"source {source!r} is neither a model folder nor a Hugging Face repo id")
+    base = ["config.json", "model.safetensors.index.json"]
+    folder = _snapshot(source, base, revision, progress=False)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = hf_head.mtp_tensor_files(folder)
+        wanted = sorted(set(files.values()))
+    else:  # a single-file checkpoint: the head can only be in model.safetensors
+        files, wanted = {}, ["model.safetensors"]
+    if shards and wanted:
+        folder = _snapshot(source, base + wanted, revision, progress=progress)
+        if not index.exists():
+            files = hf_head.mtp_tensor_files(folder)
+    return folder, files
+
+
+# ---------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One MTPHead parameter and how to build it from source tensors: an hf_head.HeadTensor
+    with the shape and quantization the plan gives it."""
+
+    out: str  # MTPHead parameter name, e.g. "layers.0.mlp.switch_mlp.gate_proj.weight"
+    kind: str  # copy | norm | stack | gate_half | up_half (see hf_head.head_form)
+    sources: List[str]  # full `mtp.*` names (stack: ordered by expert)
+    shape: Tuple[int, ...]  # shape of the (unquantized) result
+    quant: Optional[dict] = None  # {"bits", "group_size", "mode"} or None
+
+
+@dataclass
+class Plan:
+    model_dir: Path
+    source: str
+    source_dir: Optional[Path]
+    source_config: dict
+    target_config: dict
+    family: str
+    files: Dict[str, str]  # mtp tensor -> shard
+    tensors: Dict[str, dict] = field(default_factory=dict)  # mtp tensor -> {dtype, shape} (headers)
+    jobs: List[Job] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # expert_layout, num_experts, num_layers, moe
+    dtype: Optional[str] = None  # source float dtype ("bfloat16", ...)
+    quantization: Optional[dict] = None  # mlx-lm style, head-relative paths
+    choice: List[str] = field(default_factory=list)  # human-readable lines about the choice
+    existing: Optional[str] = None  # why the target already has a head
+
+    @property
+    def shards(self) -> List[str]:
+        return sorted(set(self.files.values()))
+
+    def source_bytes(self) -> int:
+        return sum(nbytes(t) for t in self.tensors.values())
+
+    def describe(self) -> str:
+        lines = [
+            f"target:  {self.model_dir} ({self.family})",
+            f"source:  {self.source}" + (f" -> {self.source_dir}" if self.source_dir else ""),
+            f"source shards to read ({len(self.shards)}): {', '.join(self.shards)}",
+            f"mtp tensors: {len(self.files)}"
+            + (f" ({self.source_bytes() / 2**20:.1f} MiB {self.dtype})" if self.tensors else "")
+            + f", layout {self.info.get('expert_layout')}, experts {self.info.get('num_experts')}, "
+            f"layers {self.info.get('num_layers')}",
+        ]
+        lines += [f"  {n} {self.tensors[n]['dtype']} {list(self.tensors[n]['shape'])} [{self.files[n]}]"
+                  if n in self.tensors else f"  {n} [{self.files[n]}]" for n in sorted(self.files)]
+        lines += self.choice
+        return "\n".join(lines)
+
+
+def existing_head(model_dir: Path) -> Optional[str]:
+    model_dir = Path(model_dir)
+    if (model_dir / mtp_folder.FOLDER).exists():
+        return f"{model_dir / mtp_folder.FOLDER} exists"
+    files = hf_head.mtp_tensor_files(model_dir)
+    if files:
+        return f"its own safetensors hold {len(files)} mtp.* tensors ({', '.join(sorted(set(files.values())))})"
+    return None
+
+
+def make_jobs(files: Dict[str, str]) -> Tuple[List[Job], dict]:
+    """Jobs (without shapes) turning HF `mtp.*` names into MTPHead names (hf_head's mapping)."""
+    try:
+        mapping, info = hf_head.map_head_names(files)
+    except hf_head.HeadConversionError as e:
+        raise AddMTPError(f"source {e}") from e
+    return [Job(t.out, t.kind, list(t.sources), ()) for t in mapping], info
+
+
+def _job_shape(job: Job, tensors: Dict[str, dict]) -> Tuple[int, ...]:
+    shape = tuple(tensors[job.sources[0]]["shape"])
+    if job.kind == "stack":
+        return (len(job.sources),) + shape
+    if job.kind in ("gate_half", "up_half"):
+        return shape[:-2] + (shape[-2] // 2, shape[-1])
+    return shape
+
+
+def plan(model_dir, source: str, *, download: bool = True, revision: Optional[str] = None,
+         progress: bool = True) -> Plan:
+    """Read configs and headers (no tensor data): the source shards, the jobs and their
+    shapes, the source dtype (the jobs' quantization is `quantization.choose_quantization`'s)."""
+    model_dir = Path(model_dir)
+    target_config, family = _target_config(model_dir)
+    source_dir, files = fetch_source(source, shards=download, revision=revision, progress=progress)
+    source_config = json.loads((source_dir / "config.json").read_text()) \
+        if (source_dir / "config.json").exists() else {}
+    if not files:
+        raise AddMTPError(f"source {source} has no mtp.* tensors (its index / safetensors list none): "
+                          "use the original BF16 checkpoint, not a converted one")
+    p = Plan(model_dir, source, source_dir, source_config, target_config, family, files,
+             existing=existing_head(model_dir))
+    p.jobs, p.info = make_jobs(files)
+    if all((source_dir / s).exists() for s in p.shards):
+        _read_source_headers(p)
+    return p
+
+
+def _target_config(model_dir: Path) -> Tuple[dict, str]:
+    """(config, family) of the MLX model folder to repair."""
+    if not (model_dir / "config.json").exists():
+        raise AddMTPError(f"{model_dir} is not an MLX model folder (no config.json)")
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        return config, family_of(config)
+    except UnsupportedModelError as e:
+        raise AddMTPError(f"target: {e}") from e
+
+
+def _read_source_headers(p: Plan) -> None:
+    """Source tensor shapes and dtypes (headers only): the jobs' shapes, the source dtype,
+    and a fused layout's expert count."""
+    reader = TensorReader(p.source_dir)
+    try:
+        p.tensors = {n: reader.info(s, n) for n, s in p.files.items()}
+    except TensorFileError as e:
+        raise AddMTPError(str(e)) from e
+    for job in p.jobs:
+        job.shape = _job_shape(job, p.tensors)
+    if p.info["expert_layout"] == "fused":
+        p.info["num_experts"] = next(j.shape[0] for j in p.jobs if j.kind == "gate_half")
+    dtypes = {t["dtype"] for t in p.tensors.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in ST_DTYPES:
+        raise AddMTPError(f"source mtp.* tensors have dtypes {sorted(dtypes)}; expected one float dtype")
+    p.dtype = ST_DTYPES[next(iter(dtypes))][2]
