@@ -37,6 +37,7 @@ SCRIPTS = {
     "think": "<think>\nThe user wants a greeting.\n</think>\n\nHello there!",
     "thinktool": ('<think>\nneed weather\n</think>\n\n<tool_call>\n{"name": "get_weather", '
                   '"arguments": {"city": "Oslo"}}\n</tool_call>'),
+    "indent": "    return x ",
 }
 
 
@@ -114,6 +115,16 @@ def test_completions_stream_and_not(oai):
     assert s[-1].usage.completion_tokens == 10
     ids = oai.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
     assert ids.usage.prompt_tokens == 4
+
+
+def test_text_is_the_tokens_exactly_first_space_included(oai):
+    # A completion's first token is often a space (`x =` -> ` 0`) and a code answer's first
+    # line may be indented: neither API drops those spaces, nor a trailing one.
+    c = oai.completions.create(model=MODEL, prompt="FORCE:indent", max_tokens=20, temperature=0)
+    assert c.choices[0].text == SCRIPTS["indent"]
+    s = oai.completions.create(model=MODEL, prompt="FORCE:indent", max_tokens=20, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == SCRIPTS["indent"]
+    assert chat(oai, "FORCE:indent", max_tokens=20).choices[0].message.content == SCRIPTS["indent"]
 
 
 def test_logprobs(oai):

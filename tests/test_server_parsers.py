@@ -5,14 +5,8 @@ import json
 
 import pytest
 
-from mlxmtp.server.chat import (
-    anthropic_messages,
-    anthropic_tools,
-    encode_prompt,
-    openai_messages,
-    place_system,
-    render,
-)
+from mlxmtp.server.anthropic_input import anthropic_messages, anthropic_tools
+from mlxmtp.server.chat import encode_prompt, openai_messages, place_system, render
 from mlxmtp.server.errors import APIError, anthropic_error_body, openai_error_body
 from mlxmtp.server.reasoning import OutputSplitter, split_all, starts_in_thinking
 from mlxmtp.server.tool_parsers import ToolParseError, parse_tool_call
@@ -101,10 +95,26 @@ def test_think_tags_after_the_answer_are_text():
 
 def test_splitter_holds_partial_tags_only():
     sp = OutputSplitter()
-    assert sp.feed("Hello <thi") == [("content", "Hello")]
-    assert sp.feed("s is fine") == [("content", " <this is fine")]
+    assert sp.feed("Hello <thi") == [("content", "Hello ")]
+    assert sp.feed("s is fine") == [("content", "<this is fine")]
     assert sp.feed("<") == []
     assert sp.finish() == [("content", "<")]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_splitter_drops_the_templates_newlines_and_never_a_space(chunked):
+    def run(text, **kw):
+        return _stream(text, **kw) if chunked else split_all(text, **kw)
+
+    # Code whose first line is indented keeps its indentation; trailing spaces (text cut
+    # by a stop string) stay too.
+    assert run("    return x\n") == [("content", "    return x\n")]
+    assert run("import ") == [("content", "import ")]
+    # The newlines the templates put around <think> and before <tool_call> go.
+    assert run("<think>\nhmm\n</think>\n\n  indented") == [("reasoning", "hmm"), ("content", "  indented")]
+    assert run("reason\n</think>\n\nok", in_thinking=True) == [("reasoning", "reason"), ("content", "ok")]
+    out = run('see:\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', tools=TOOLS)
+    assert out == [("content", "see:"), ("tool_call", {"name": "f", "arguments": {}})]
 
 
 def test_starts_in_thinking():

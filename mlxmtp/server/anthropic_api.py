@@ -16,7 +16,8 @@ from typing import List, Optional, Tuple
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
-from .chat import Prompt, anthropic_messages, anthropic_tools, build_prompt
+from .anthropic_input import anthropic_messages, anthropic_tools
+from .chat import Prompt, build_prompt
 from .errors import APIError
 from .generation import Generation
 from .request_path import Reply, check_model, handle, new_generation, sse_event

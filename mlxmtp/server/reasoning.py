@@ -2,8 +2,10 @@
 
 Text arrives in arbitrary pieces (a tag can be split across engine events), so the
 splitter holds back any tail that could still become `<think>`, `</think>`,
-`<tool_call>` or `</tool_call>`, and whitespace that would only pad a section
-boundary. Tags never reach the client: `<think>...</think>` becomes reasoning, and a
+`<tool_call>` or `</tool_call>`, and newlines that would only pad a section boundary
+(the templates write `<think>\n`, `\n</think>\n\n` and `\n<tool_call>`, and strip
+those newlines again when a turn comes back). Spaces are never dropped: an indented
+first line of code keeps its indentation, and text cut by a stop string ends as it did. Tags never reach the client: `<think>...</think>` becomes reasoning, and a
 complete `<tool_call>...</tool_call>` becomes one parsed call (or, if it does not
 parse, plain content so nothing is lost).
 
@@ -39,7 +41,7 @@ class OutputSplitter:
         self.tools = tools
         self.buf = ""
         self.tool_body = ""
-        self.lstrip = True  # drop whitespace at the start of a section
+        self.lstrip = True  # drop newlines at the start of a section
         self.any_content = False
         if emitted:
             self.feed(emitted)  # "<tool_call>\n...": switches to the call, yields no piece of its own
@@ -76,8 +78,8 @@ class OutputSplitter:
             self.buf = self.buf[len(self.buf) - hold:]
             return out
         head = self.buf[: len(self.buf) - hold]
-        # Trailing whitespace may be the padding before a tag: keep it until text follows.
-        keep = len(head) - len(head.rstrip())
+        # Trailing newlines may be the padding before a tag: keep them until text follows.
+        keep = len(head) - len(head.rstrip("\n"))
         self._emit(out, head[: len(head) - keep], final=False)
         self.buf = self.buf[len(head) - keep:]
         return out
@@ -90,7 +92,7 @@ class OutputSplitter:
             # A call cut off by EOS / max_tokens before `</tool_call>`: keep it if it parses.
             self._close_tool(out, closed=False)
         else:
-            self._emit(out, self.buf.rstrip(), final=True)
+            self._emit(out, self.buf, final=self.mode == "reasoning")
             self.buf = ""
         return _merge(out)
 
@@ -100,11 +102,11 @@ class OutputSplitter:
             self.tool_body += text
             return
         if self.lstrip:
-            text = text.lstrip()
+            text = text.lstrip("\n")
             if text:
                 self.lstrip = False
         if final:
-            text = text.rstrip()
+            text = text.rstrip("\n")
         if text:
             if self.mode == "content":
                 self.any_content = True
