@@ -365,6 +365,7 @@ ANTHROPIC_BAD = [
     ({"model": MODEL, "max_tokens": 5, "temperature": -1, "messages": [{"role": "user", "content": "x"}]}, 400),
     ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400),
     ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400),
+    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400),
     ({"model": MODEL, "max_tokens": 5, "thinking": {"type": "maybe"}, "messages": [{"role": "user", "content": "x"}]},
      400),
     ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x " * 2000}]}, 400),

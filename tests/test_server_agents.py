@@ -38,10 +38,15 @@ def cc_tool(i: int, name: str) -> dict:
     return tool
 
 
-def claude_code_body(last_user: str, *, history: bool = False) -> dict:
-    """A Claude-Code-like streaming request."""
+PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+
+
+def claude_code_body(last_user: str, *, history: bool = False, nonce: str = "7b4e2") -> dict:
+    """A Claude-Code-like streaming request: its system prompt starts with the billing line
+    Claude Code writes there, with a value that changes from request to request."""
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "<system-reminder>Use TodoWrite.</system-reminder>"},
+        {"type": "image", "source": PNG},  # `@shot.png` in the prompt
         {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]}]
     if history:
         messages += [
@@ -58,7 +63,9 @@ def claude_code_body(last_user: str, *, history: bool = False) -> dict:
     messages.append({"role": "user", "content": [{"type": "text", "text": last_user}]})
     return {
         "model": "claude-sonnet-4-6", "max_tokens": 32000, "stream": True, "temperature": 1,
-        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+        "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{nonce[:3]}; "
+                                            f"cc_entrypoint=cli; cch={nonce};"},
+                   {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
                    {"type": "text", "text": "Be concise."}],
         "messages": messages,
         "tools": [cc_tool(i, n) for i, n in enumerate(CC_TOOL_NAMES)],
@@ -119,7 +126,7 @@ SCRIPTS = {
 def servers(start_server, server_model):
     hook = Hook(server_model[1], SCRIPTS)
     # The fixture tokenizer has few merges (~1 token a byte): 22 tools are ~6k tokens.
-    big = start_server(hook=hook, context_length=16384)  # id: mlxmtp-demo
+    big = start_server(hook=hook, context_length=16384, prefix_cache_mb=64)  # id: mlxmtp-demo
     small = start_server(hook=hook, context_length=SMALL_CONTEXT)
     return big, small
 
@@ -205,6 +212,24 @@ def test_claude_code_like_stream(servers, history):
     assert count["input_tokens"] == start["usage"]["input_tokens"] > 1000
 
 
+def test_claude_code_sessions_reuse_one_prefill_whatever_their_billing_line(servers):
+    # The billing line is not prompt: a request whose line differs reads the cached prefix
+    # (system prompt, tools, history) a request with another line left, as Anthropic's
+    # API does. Usage splits the prompt as Anthropic's does: the sum is count_tokens.
+    big, _ = servers
+    usages = []
+    for nonce in ("a1b2c", "d3e4f"):
+        body = claude_code_body("FORCE:text", history=True, nonce=nonce)
+        r = httpx.post(big.url + "/v1/messages?beta=true", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        usages.append(events_of(r.text)[-2][1]["usage"])
+    count = httpx.post(big.url + "/v1/messages/count_tokens", timeout=60,
+                       json={k: v for k, v in body.items() if k not in ("max_tokens", "stream")}).json()
+    assert usages[1]["cache_read_input_tokens"] > 1000
+    assert [u["input_tokens"] + u["cache_read_input_tokens"] for u in usages] == [count["input_tokens"]] * 2
+    assert all(u["cache_creation_input_tokens"] == 0 for u in usages)
+
+
 def test_claude_code_like_over_context_is_a_fast_400(servers):
     big, small = servers
     body = claude_code_body("hello", history=True)
@@ -234,7 +259,7 @@ def test_anthropic_sdk_with_a_mid_conversation_system_message(servers):
     with ant.messages.stream(model="claude-opus-4-1", max_tokens=50, system="Be short.", messages=messages) as s:
         assert s.get_final_text() == "All done."
     n = ant.messages.count_tokens(model="claude-opus-4-1", system="Be short.", messages=messages)
-    assert n.input_tokens == m.usage.input_tokens
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
 # ------------------------------------------------------------------ Codex

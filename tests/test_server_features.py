@@ -226,8 +226,26 @@ def test_count_tokens_is_the_prefill(server, qwen35):
                       {"thinking": {"type": "enabled", "budget_tokens": 2000}}):
             n = ant.messages.count_tokens(model="m", **kw, **extra).input_tokens
             m = ant.messages.create(model="m", max_tokens=1, **kw, **extra)
-            assert n == m.usage.input_tokens == len(srv.hook.tok.encode(srv.hook.prompts[-1],
-                                                                        add_special_tokens=False))
+            assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens == \
+                len(srv.hook.tok.encode(srv.hook.prompts[-1], add_special_tokens=False))
+
+
+def test_a_prefilled_answer_is_continued(server, qwen35):
+    # Anthropic's prefill: a last assistant message is the start of the answer, which
+    # continues it (the turn is left open), and the reply holds only what follows.
+    for srv in (server, qwen35):
+        _, ant = clients(srv)
+        messages = [{"role": "user", "content": "Write a function."}, {"role": "assistant", "content": "def foo("}]
+        m = ant.messages.create(model="m", max_tokens=3, messages=messages)
+        prompt = srv.hook.prompts[-1]
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\ndef foo("), prompt
+        assert ant.messages.count_tokens(model="m", messages=messages).input_tokens == \
+            m.usage.input_tokens + m.usage.cache_read_input_tokens
+        with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+            ant.messages.create(model="m", max_tokens=3, messages=[messages[0], {"role": "assistant", "content": "x "}])
+        with pytest.raises(anthropic.BadRequestError, match="prefilled"):
+            ant.messages.create(model="m", max_tokens=3, messages=messages, tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "any"})
 
 
 def _has_token(block: str) -> bool:

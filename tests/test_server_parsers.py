@@ -46,6 +46,17 @@ def test_tool_call_parse_errors(bad):
         parse_tool_call(bad)
 
 
+@pytest.mark.parametrize("schema", [{"properties": "bad"}, {"properties": {"a": "integer"}}, [1], "x",
+                                    {"properties": {"a": True}}, {"properties": {"a": {"type": ["integer", "null"]}}}])
+def test_an_xml_call_parses_whatever_schema_its_tool_has(schema):
+    # The parser reads each parameter's type from the tool's schema; a schema it cannot
+    # read types nothing (validation refuses most of these before generation anyway).
+    call = "<function=f>\n<parameter=a>\n1\n</parameter>\n</function>"
+    for tools in ([{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                  [{"name": "f", "input_schema": schema}]):
+        assert parse_tool_call(call, tools)["arguments"]["a"] in ("1", 1)
+
+
 # ------------------------------------------------------------------ splitter
 def _stream(text, **kw):
     sp = OutputSplitter(**kw)

@@ -4,6 +4,7 @@ Taken as clients send it: `role: "system"` entries inside `messages` (placed by
 chat.place_system), beta fields (`context_management`, `output_config`, `metadata`,
 `?beta=true`) ignored, `thinking.budget_tokens` an upper bound on the reasoning
 (thinking_budget.py), `tool_choice` any / tool forcing the call (chat.build_prompt).
+A last assistant message with text is a prefill: the answer continues it (chat.render).
 `count_tokens` renders through the same path, so it is the prompt the request prefills.
 """
 
@@ -16,7 +17,7 @@ from typing import List, Optional, Tuple
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
-from .anthropic_input import anthropic_messages, anthropic_tools
+from .anthropic_input import anthropic_messages, anthropic_tools, continues_prefill
 from .chat import Prompt, build_prompt
 from .errors import APIError
 from .generation import Generation
@@ -35,10 +36,17 @@ def _stop_reason(gen: Generation) -> str:
     return "end_turn"
 
 
+def _input_usage(gen: Generation) -> dict:
+    """Anthropic's split of the prompt: `input_tokens` are those prefilled, the ones restored
+    from the prefix cache are `cache_read_input_tokens` (their sum is the prompt, which is
+    what count_tokens returns); nothing is billed as written to a cache."""
+    cached = gen.stats.cached_prompt_tokens if gen.stats else 0
+    return {"input_tokens": gen.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}
+
+
 def _usage(gen: Generation) -> dict:
-    return {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens,
-            "cache_read_input_tokens": gen.stats.cached_prompt_tokens if gen.stats else 0,
-            "mtp": gen.mtp_usage()}
+    return {**_input_usage(gen), "output_tokens": gen.completion_tokens, "mtp": gen.mtp_usage()}
 
 
 def _tool_id() -> str:
@@ -72,7 +80,8 @@ def _conversation(state, body: dict) -> Tuple[str, Prompt, Optional[List[dict]]]
     choice = anthropic_tool_choice(body, tools)
     if choice == "none":
         tools = None
-    prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], tool_choice=choice)
+    prefill = continues_prefill(msgs, f"messages.{len(body['messages']) - 1}.content")
+    prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], tool_choice=choice, continue_final=prefill)
     return model, prompt, tools
 
 
@@ -147,6 +156,7 @@ class MessageReply(Reply):
         return [sse_event("message_start", {"type": "message_start", "message": {
                     "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                     "stop_reason": None, "stop_sequence": None,
+                    # The prefix cache is looked up after this: message_delta gives the split.
                     "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}}),
                 self.keepalive()]
 
@@ -167,8 +177,7 @@ class MessageReply(Reply):
             sse_event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": _stop_reason(gen),
                                                   "stop_sequence": gen.stop_sequence()},
-                                        "usage": {"output_tokens": gen.completion_tokens,
-                                                  "mtp": gen.mtp_usage()}}),
+                                        "usage": _usage(gen)}),
             sse_event("message_stop", {"type": "message_stop"})]
 
     def _close(self) -> List[str]:

@@ -7,9 +7,10 @@ A user turn's tool results become `tool` messages (the template groups them into
 
 from __future__ import annotations
 
+import re
 from typing import Any, List, Optional
 
-from .chat import Message
+from .chat import Message, check_schema
 from .errors import APIError
 
 
@@ -26,21 +27,64 @@ def _tool_result_text(content: Any, where: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
-    for b in _blocks(content, where):
-        if b.get("type") == "text":
-            texts.append(str(b.get("text", "")))
-        else:  # an image a tool returned (Claude Code's Read of a picture): say so, keep the turn
-            texts.append(f"[{b.get('type')} omitted: this server reads text only]")
-    return "\n".join(texts)
+    return "\n".join(_block_text(b, where) for b in _blocks(content, where))
+
+
+def _block_text(b: dict, where: str) -> str:
+    """What the model reads of a text, document or image block. The models served are
+    text-only: an image or a PDF (a user's attachment, a picture a tool read) becomes a note
+    that it was left out, so the turn (which an agent resends every turn) still runs."""
+    kind = b.get("type")
+    if kind == "text":
+        return str(b.get("text", ""))
+    if kind in ("image", "document") and not isinstance(b.get("source"), dict):
+        raise APIError(400, f"{where}: {kind} blocks need a 'source' object")
+    text = _document_text(b.get("source")) if kind == "document" else None
+    if text is None:
+        return f"[{kind} omitted: this server reads text only]"
+    return f"{b['title']}\n\n{text}" if isinstance(b.get("title"), str) and b["title"] else text
+
+
+def _document_text(source: Any) -> Optional[str]:
+    """A plain-text document's text (source type `text`, or `content` blocks); None otherwise."""
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        return source["data"]
+    if source.get("type") == "content":
+        inner = source.get("content")
+        if isinstance(inner, str):
+            return inner
+        if isinstance(inner, list):
+            return "\n".join(str(c.get("text", "")) for c in inner if isinstance(c, dict) and c.get("type") == "text")
+    return None
+
+
+def _joined(parts: List[tuple]) -> str:
+    """A user turn's text: text blocks run together as sent; a document or a note stands on
+    its own lines."""
+    out = ""
+    for i, (is_text, text) in enumerate(parts):
+        if i and not (is_text and parts[i - 1][0]):
+            out += "\n"
+        out += text
+    return out
+
+
+# Claude Code puts a billing line first in `system` ("x-anthropic-billing-header: cc_version=
+# ...; cch=...;"), different on every request. Anthropic's API reads it as metadata; left in
+# the prompt it would change the first tokens of every request, so no conversation would
+# ever reuse a cached prefix (its ~20-40K-token system prompt and tools prefilled each turn).
+_BILLING_LINE = re.compile(r"\Ax-anthropic-billing-header:[^\n]*(\n|\Z)")
 
 
 def anthropic_system(system: Any, where: str = "system") -> Optional[str]:
     if system is None:
         return None
     if isinstance(system, str):
-        return system
-    return "\n".join(str(b.get("text", "")) for b in _blocks(system, where) if b.get("type") == "text")
+        return _BILLING_LINE.sub("", system)
+    texts = [_BILLING_LINE.sub("", str(b.get("text", ""))) for b in _blocks(system, where) if b.get("type") == "text"]
+    return "\n".join(t for t in texts if t)
 
 
 def anthropic_messages(system: Any, messages: Any) -> List[Message]:
@@ -70,15 +114,27 @@ def anthropic_messages(system: Any, messages: Any) -> List[Message]:
     return out
 
 
+def continues_prefill(msgs: List[Message], where: str) -> bool:
+    """Whether the conversation ends with a prefilled answer to continue (Anthropic's
+    prefill): a last assistant message with text and no tool call. As in Anthropic's API its
+    text may not end in whitespace (the model's next token would carry it)."""
+    last = msgs[-1]
+    if last["role"] != "assistant" or last.get("tool_calls") or not last["content"]:
+        return False
+    if last["content"] != last["content"].rstrip():
+        raise APIError(400, f"{where}: final assistant content cannot end with trailing whitespace")
+    return True
+
+
 def _anthropic_user(blocks: List[dict], where: str) -> List[Message]:
     """A user turn -> its tool results as `tool` messages (the template groups them into
     one <tool_response> user turn), then its text as a user message."""
     out: List[Message] = []
-    texts = []
+    parts = []  # (is a text block, its text)
     for b in blocks:
         kind = b.get("type")
-        if kind == "text":
-            texts.append(str(b.get("text", "")))
+        if kind in ("text", "image", "document"):
+            parts.append((kind == "text", _block_text(b, where)))
         elif kind == "tool_result":
             text = _tool_result_text(b.get("content"), where)
             if b.get("is_error"):
@@ -86,8 +142,8 @@ def _anthropic_user(blocks: List[dict], where: str) -> List[Message]:
             out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
         else:
             raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported")
-    if texts or not any(b.get("type") == "tool_result" for b in blocks):
-        out.append({"role": "user", "content": "".join(texts)})
+    if parts or not any(b.get("type") == "tool_result" for b in blocks):
+        out.append({"role": "user", "content": _joined(parts)})
     return out
 
 
@@ -129,6 +185,7 @@ def anthropic_tools(tools: Any) -> Optional[List[dict]]:
             raise APIError(400, f"tools.{i}: each tool needs a 'name'")
         if "input_schema" not in t:
             continue  # server tools (web_search, ...) are not ours to run
+        check_schema(t["input_schema"], f"tools.{i}.input_schema")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
         if t.get("description"):
             fn["description"] = t["description"]

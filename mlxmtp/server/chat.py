@@ -107,7 +107,19 @@ def openai_tools(tools: Any) -> Optional[List[dict]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                            param="tools")
+        check_schema(fn.get("parameters"), f"tools[{i}].function.parameters", param="tools")
     return tools or None
+
+
+def check_schema(schema: Any, where: str, param: Optional[str] = None) -> None:
+    """A tool's parameter schema: absent, or a JSON object whose `properties` (if any) is an
+    object (the template renders it and the tool-call parser reads each parameter's type)."""
+    if schema is None:
+        return
+    if not isinstance(schema, dict):
+        raise APIError(400, f"'{where}' must be a JSON schema object", param=param)
+    if not isinstance(schema.get("properties", {}), dict):
+        raise APIError(400, f"'{where}.properties' must be an object", param=param)
 
 
 # ------------------------------------------------------------------ rendering
@@ -168,16 +180,23 @@ def place_system(tok, messages: List[Message]) -> List[Message]:
 
 
 def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
-           enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None) -> Tuple[List[int], str, bool]:
-    """-> (prompt ids, prompt text, whether generation starts inside <think>)."""
+           enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
+           continue_final: bool = False) -> Tuple[List[int], str, bool]:
+    """-> (prompt ids, prompt text, whether generation starts inside <think>). With
+    `continue_final` the last (assistant) message is left open, so generation continues it
+    (a prefilled answer) instead of starting a new turn."""
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
     kwargs = dict(template_kwargs or {})
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if continue_final:  # transformers renders the turn and cuts it after the message's content
+        kwargs.update(add_generation_prompt=False, continue_final_message=True)
+    else:
+        kwargs["add_generation_prompt"] = True
     messages = place_system(tok, messages)
     try:
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja raise_exception etc. mean a bad conversation
         raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
     ids = tok.encode(text, add_special_tokens=False)
@@ -206,13 +225,17 @@ class Prompt:
 
 def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = None,
                  enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
-                 tool_choice: Optional[str] = None) -> Prompt:
+                 tool_choice: Optional[str] = None, continue_final: bool = False) -> Prompt:
     """The prompt a request prefills. tool_choice 'required' or a tool's name (with tools)
     forces a call: the turn starts with the tool-call opening, after an empty think block
-    where the template would open one (a forced call is the whole turn)."""
-    ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs)
+    where the template would open one (a forced call is the whole turn). `continue_final`:
+    see `render`."""
+    ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs, continue_final)
     if not tools or tool_choice in (None, "auto", "none"):
         return Prompt(ids, text, in_think)
+    if continue_final:
+        raise APIError(400, "a forced tool call starts a new turn: it cannot continue a prefilled "
+                            "assistant message", param="tool_choice")
     if in_think:
         _, text, in_think = render(tok, messages, tools, False, template_kwargs)
         if in_think:  # no enable_thinking switch in this template: close the block ourselves

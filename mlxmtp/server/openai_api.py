@@ -176,10 +176,24 @@ class ChatReply(_OpenAIReply):
         return self.envelope("chat.completion", [choice], usage=_usage(gen))
 
 
+# apply_chat_template's own arguments: a request may set the template's variables, never
+# the template itself (a client's Jinja would run on the thread that renders every
+# request's prompt, with no bound on its loops) nor how the server renders and tokenizes.
+_RENDERING_ARGUMENTS = frozenset({
+    "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+
+
 def _template_options(body: dict) -> Tuple[Optional[bool], dict]:
     """-> (enable_thinking, the other chat_template_kwargs). `enable_thinking` may come at
     the top level or inside chat_template_kwargs; the top level wins."""
     kwargs = dict(field(body, "chat_template_kwargs", dict, default={}))
+    for name in sorted(_RENDERING_ARGUMENTS & set(kwargs)):
+        raise APIError(400, f"'chat_template_kwargs.{name}' is not allowed: the request may set the "
+                            "template's variables only (the model's own template is used)",
+                       param="chat_template_kwargs")
     thinking = field(body, "enable_thinking", bool)
     if thinking is None and "enable_thinking" in kwargs:
         thinking = field(kwargs, "enable_thinking", bool, label="chat_template_kwargs.enable_thinking")

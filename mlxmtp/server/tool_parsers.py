@@ -79,12 +79,22 @@ def _properties(name: str, tools: Optional[List[dict]]) -> dict:
         fn = tool.get("function", tool)  # OpenAI wraps in "function"; Anthropic does not
         if fn.get("name") == name:
             params = fn.get("parameters") or fn.get("input_schema") or {}
-            return params.get("properties") or {}
+            props = params.get("properties") if isinstance(params, dict) else None
+            return props if isinstance(props, dict) else {}
     return {}
 
 
-def _convert(value: str, schema: Optional[dict]) -> Any:
-    kind = str((schema or {}).get("type", "")).lower()
+def _schema_type(schema: Any) -> str:
+    """A parameter's JSON-schema type, lower case; "" when the schema names none (or is
+    not an object: `true`, or whatever a client sent)."""
+    kind = schema.get("type", "") if isinstance(schema, dict) else ""
+    if isinstance(kind, list):  # ["string", "null"]: the non-null one
+        kind = next((k for k in kind if k != "null"), "")
+    return str(kind).lower()
+
+
+def _convert(value: str, schema: Any) -> Any:
+    kind = _schema_type(schema)
     if kind in ("string", "str", "text", "enum"):
         return value
     if value.strip().lower() == "null":
