@@ -85,10 +85,13 @@ def two_ranks(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(model_dir):
+    from mlxmtp.models.generation_config import recommended_sampling
     from mlxmtp.models.load import load
 
     model, tok = load(str(model_dir))
-    with ServerThread(create_app(model, tok, model_id=MODEL, num_draft=2)) as srv:
+    # As `mlxmtp serve` makes it: requests without sampling fields get the model's own.
+    defaults = recommended_sampling(model.model_dir)
+    with ServerThread(create_app(model, tok, model_id=MODEL, num_draft=2, sampling_defaults=defaults)) as srv:
         yield srv
 
 
@@ -115,9 +118,11 @@ def _answers(url):
            "stop": _chat(oai, "Hello there", stop=["e"]).choices[0].finish_reason}
     lp = _chat(oai, "Hi", logprobs=True, top_logprobs=2, max_tokens=4).choices[0].logprobs.content
     out["logprobs"] = [(t.token, [x.token for x in t.top_logprobs]) for t in lp]
-    msg = ant.messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "Hello there"}])
+    msg = ant.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+                              messages=[{"role": "user", "content": "Hello there"}])
     out["anthropic"] = [b.text for b in msg.content if b.type == "text"]
-    thought = ant.messages.create(model=MODEL, max_tokens=24, messages=[{"role": "user", "content": "Think"}],
+    thought = ant.messages.create(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
+                                  messages=[{"role": "user", "content": "Think"}],
                                   thinking={"type": "enabled", "budget_tokens": 4})
     out["thinking_budget"] = [b.type for b in thought.content]
     return out

@@ -1,5 +1,6 @@
 """`mlxmtp serve` CLI paths that must not block on serving."""
 
+import json
 import logging
 import os
 from unittest import mock
@@ -126,3 +127,46 @@ def test_num_draft_bound_and_help():
     text = " ".join(res.output.split())
     assert "--shutdown-timeout" in text and "--context-length" in text and "--max-body-mb" in text
     assert "longer prompts with 400" in text
+
+
+def test_unset_sampling_fields_take_the_model_s_recommendation_then_the_options(tmp_path):
+    # Qwen3.5/3.6 ship do_sample with temperature / top_p / top_k (as the fixtures do) and
+    # warn against greedy decoding; agents (Claude Code) send no temperature. The demo
+    # model's generation_config does not sample: greedy.
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    qwen = json.loads((path / "generation_config.json").read_text())
+    ids = {k: qwen[k] for k in ("bos_token_id", "pad_token_id", "eos_token_id")}
+    served = {}
+    for name, config, options in [
+        ("qwen", qwen, []),
+        ("qwen + options", qwen, ["--temp", "0.2", "--min-p", "0.1"]),
+        ("no sampling", dict(ids, do_sample=False, temperature=0.6), []),
+        ("no sampling + option", dict(ids), ["--top-k", "40"]),
+        ("sampling, no temperature", dict(ids, do_sample=True, top_p=0.8, top_k=-1), []),
+    ]:
+        (path / "generation_config.json").write_text(json.dumps(config))
+        with mock.patch(RUN) as run:
+            res = CliRunner().invoke(main, ["serve", "--model", str(path), *options])
+        assert res.exit_code == 0, res.output
+        served[name] = run.call_args.args[0].state.server.sampling_defaults
+    assert served == {
+        "qwen": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+        "qwen + options": {"temperature": 0.2, "top_p": 0.95, "top_k": 20, "min_p": 0.1},
+        "no sampling": {},
+        "no sampling + option": {"top_k": 40},
+        "sampling, no temperature": {"temperature": 1.0, "top_p": 0.8},  # top_k -1 is not a valid value
+    }
+
+
+def test_a_request_s_own_sampling_fields_win_over_the_defaults():
+    from mlxmtp.server.validation import sampling_params
+
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    p = sampling_params({}, 320, defaults=defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.95, 20, 0.0)
+    p = sampling_params({"temperature": 0, "top_k": 5}, 320, defaults=defaults)
+    assert (p.temperature, p.top_p, p.top_k) == (0.0, 0.95, 5)
+    assert sampling_params({}, 320, anthropic=True, defaults={"temperature": 1.5}).temperature == 1.5
+    assert sampling_params({}, 16, defaults={"top_k": 20}).top_k == 15  # never beyond the vocabulary
+    p = sampling_params({}, 320)
+    assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, 0)

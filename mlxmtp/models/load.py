@@ -70,6 +70,7 @@ class MTPModel:
     policies: dict = field(default_factory=dict)  # learnt depth policies, shared by engines
     vocab: Optional[DraftVocab] = None  # embedding / lm_head as the drafter uses them
     compiled_head: Optional[object] = None  # engine.compiled_head.CompiledHead, made by the first engine asking
+    model_dir: Optional[Path] = None  # the folder it was loaded from (generation_config.json, ...)
 
     @property
     def active(self) -> bool:
@@ -267,6 +268,7 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
                              disabled_reason="MTP not requested")
     if draft_vocab and not mtp_model.active:
         log.warning("draft vocabulary of %d tokens ignored: MTP is off", draft_vocab)
+    mtp_model.model_dir = Path(model_dir)
     return mtp_model, tokenizer
 
 

@@ -92,7 +92,7 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
     model, prompt, tools = _conversation(state, body)
     stop = string_list(body, "stop_sequences")
     stream = field(body, "stream", bool, default=False)
-    params = sampling_params(body, state.vocab_size, anthropic=True)
+    params = sampling_params(body, state.vocab_size, anthropic=True, defaults=state.sampling_defaults)
     gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools), stop=stop,
                          anthropic=True)
     if not prompt.opening:  # a forced tool call has no reasoning to bound

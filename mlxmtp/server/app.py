@@ -49,6 +49,7 @@ class ServerState:
     aliases: set = field(default_factory=set)
     strict_model_name: bool = False  # True: unknown model names get 404
     request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
+    sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset ({}: greedy)
     created: int = field(default_factory=lambda: int(time.time()))
     # Parsing, validating, templating and tokenising run here, off the event loop (a 2 MB
     # prompt takes seconds): one thread, as a fast tokenizer must not be used from two at once.
@@ -77,8 +78,11 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
                compile_steps: bool = False, memory_mb: Optional[int] = None,
+               sampling_defaults: Optional[dict] = None,
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
+    `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
+    request leaves unset (None: greedy decoding);
     request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
     name asked for) unless `strict_model_name`: then only the model id and its aliases.
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
@@ -104,7 +108,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                         mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
                         context_length=context_length,
                         max_prompt_tokens=max_prompt_tokens, aliases=_served_aliases(model_id, aliases),
-                        request_hook=request_hook, strict_model_name=strict_model_name)
+                        request_hook=request_hook, strict_model_name=strict_model_name,
+                        sampling_defaults=dict(sampling_defaults or {}))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -53,12 +53,20 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Under mlx.launch: seconds a step may wait on the other ranks; past it the requests in "
                    "flight fail and the server exits non-zero.")
+@click.option("--temp", default=None, type=click.FloatRange(min=0),
+              help="Temperature of requests that set none (default: the model's generation_config.json, else 0).")
+@click.option("--top-p", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="top_p of requests that set none (default: generation_config.json, else 1).")
+@click.option("--top-k", default=None, type=click.IntRange(min=0),
+              help="top_k of requests that set none (default: generation_config.json, else 0: off).")
+@click.option("--min-p", default=None, type=click.FloatRange(0, 1),
+              help="min_p of requests that set none (default: generation_config.json, else 0: off).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
-          dist_timeout=30.0):
+          dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
     _check_api_key(api_key)  # before the (slow) model load
@@ -99,12 +107,25 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, memory_mb=memory_mb,
                      api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
-                     strict_model_name=strict_model_name)
+                     strict_model_name=strict_model_name,
+                     sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .shutdown import run_server
 
     log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
     run_server(app, host=host, port=port, log_level=log_level.lower(), shutdown_timeout=shutdown_timeout)
+
+
+def _sampling_defaults(m, **options) -> dict:
+    """What a request that leaves a sampling field unset gets: the option given, else the
+    model's generation_config.json (models/generation_config.py), else greedy decoding."""
+    from ..models.generation_config import recommended_sampling  # on use, as above
+
+    recommended = recommended_sampling(getattr(m, "model_dir", None))
+    defaults = {**recommended, **{k: v for k, v in options.items() if v is not None}}
+    log.info("sampling fields a request leaves unset: %s",
+             ", ".join(f"{k} {v}" for k, v in defaults.items()) or "greedy decoding")
+    return defaults
 
 
 def _load(model, group, settings: dict, **load_options):

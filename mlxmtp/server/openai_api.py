@@ -224,7 +224,7 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
     thinking, kwargs = _template_options(body)
     want_lp, top_n = _chat_logprob_fields(body)
     stream, include_usage = _stream_flags(body)
-    params = sampling_params(body, state.vocab_size)
+    params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
     prompt = build_prompt(state.tok, messages, tools, thinking, kwargs, tool_choice=choice)
     max_tokens = field(body, "max_completion_tokens", int, minimum=1)
     if max_tokens is None:
@@ -288,7 +288,7 @@ def _prepare_completion(state, raw: bytes) -> Tuple[Generation, CompletionReply]
         raise APIError(400, "echo is not supported", param="echo")
     lp_n = field(body, "logprobs", int, minimum=0, maximum=5)
     stream, include_usage = _stream_flags(body)
-    params = sampling_params(body, state.vocab_size)
+    params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
     max_tokens = field(body, "max_tokens", int, minimum=1, default=16)
     gen = new_generation(state, body, ids, max_tokens, params, None, stop=string_list(body, "stop"), logprobs=lp_n,
                          param="prompt")

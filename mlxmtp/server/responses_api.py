@@ -252,7 +252,7 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, ResponsesReply]:
     thinking = thinking_flag(state, body)
     max_out = field(body, "max_output_tokens", int, minimum=1)
     stream = field(body, "stream", bool, default=False)
-    params = sampling_params(body, state.vocab_size)
+    params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
     prompt = build_prompt(state.tok, messages, chat_tools, thinking, tool_choice=choice)
     gen = new_generation(state, body, prompt.ids, max_out, params, prompt.splitter(chat_tools), param="input")
     shape = ResponseShape(body, model, params, max_out)

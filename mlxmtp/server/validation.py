@@ -134,14 +134,21 @@ def _logit_bias(body: dict, vocab_size: int) -> Optional[dict]:
     return bias
 
 
-def sampling_params(body: dict, vocab_size: int, *, anthropic: bool = False) -> SamplingParams:
-    """Sampling fields common to the APIs (extras like top_k/min_p as vLLM accepts them)."""
-    temperature = field(body, "temperature", float, default=0.0, minimum=0.0, maximum=1.0 if anthropic else 2.0)
-    top_p = field(body, "top_p", float, default=1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0)
-    top_k = field(body, "top_k", int, default=0, minimum=0 if anthropic else -1, maximum=vocab_size - 1)
-    min_p = field(body, "min_p", float, default=0.0, minimum=0.0, maximum=1.0)
+def sampling_params(body: dict, vocab_size: int, *, anthropic: bool = False,
+                    defaults: Optional[dict] = None) -> SamplingParams:
+    """Sampling fields common to the APIs (extras like top_k/min_p as vLLM accepts them). A
+    field the request leaves unset takes the server's default (`defaults`: serve's --temp
+    etc., else the model's generation_config), else greedy decoding's."""
+    d = defaults or {}
+    temperature = field(body, "temperature", float, default=d.get("temperature", 0.0), minimum=0.0,
+                        maximum=1.0 if anthropic else 2.0)
+    top_p = field(body, "top_p", float, default=d.get("top_p", 1.0), minimum=0.0, exclusive_minimum=True, maximum=1.0)
+    top_k = field(body, "top_k", int, default=min(d.get("top_k", 0), vocab_size - 1), minimum=0 if anthropic else -1,
+                  maximum=vocab_size - 1)
+    min_p = field(body, "min_p", float, default=d.get("min_p", 0.0), minimum=0.0, maximum=1.0)
     seed = field(body, "seed", int, minimum=0, maximum=SEED_LIMIT - 1)
-    rep = field(body, "repetition_penalty", float, minimum=0.0, exclusive_minimum=True, maximum=100.0)
+    rep = field(body, "repetition_penalty", float, default=d.get("repetition_penalty"), minimum=0.0,
+                exclusive_minimum=True, maximum=100.0)
     pres = freq = bias = None
     if not anthropic:
         pres = field(body, "presence_penalty", float, minimum=-2.0, maximum=2.0)
