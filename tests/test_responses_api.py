@@ -162,6 +162,32 @@ def test_tool_call_round_trip(server, oai):
     assert r2.usage.input_tokens == c.usage.prompt_tokens > 60
 
 
+def test_a_session_recorded_elsewhere_resumes_here(oai):
+    # A Codex session started against OpenAI carries items of tools that cannot run here
+    # (freeform apply_patch, local_shell, hosted web_search) and a picture the user
+    # attached: its later turns must still run. They render as the equivalent chat turns.
+    patch = "*** Begin Patch\n*** End Patch"
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": "fix it"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": patch},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+        {"type": "local_shell_call", "call_id": "c2", "id": "lsh_1", "status": "completed",
+         "action": {"type": "exec", "command": ["ls"]}},
+        {"type": "local_shell_call_output", "id": "c2", "output": "a.py"}]
+    r = create(oai, history, max_output_tokens=1)
+    c = oai.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": "fix it[input_image omitted: this server reads text only]"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "apply_patch", "arguments": json.dumps({"input": patch})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Done!"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c2", "type": "function", "function": {
+            "name": "local_shell", "arguments": json.dumps({"type": "exec", "command": ["ls"]})}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "a.py"}])
+    assert r.usage.input_tokens == c.usage.prompt_tokens > 60
+
+
 def test_raw_tool_call_events(server):
     events = raw_events(server, {"input": "FORCE:call", "tools": TOOLS, "max_output_tokens": 200})
     names = [n for n, _ in events]
@@ -181,6 +207,11 @@ def test_namespace_and_hosted_tools_with_developer_input(oai):
         model=MODEL, input=dev + [{"role": "user", "content": "FORCE:spawn"}], tools=NAMESPACE_TOOLS,
         max_output_tokens=200)
     assert "web_search" in raw.headers["x-mlxmtp-warning"]
+    # However many tools are left out, the header stays short enough for HTTP clients.
+    many = httpx.post(oai.base_url.join("responses").__str__(), timeout=30, json={
+        "model": MODEL, "input": "x", "max_output_tokens": 1, "tools": [{"type": "web_search"}] * 3000})
+    assert many.status_code == 200 and many.headers["x-mlxmtp-warning"].endswith("more")
+    assert 100 < len(many.headers["x-mlxmtp-warning"]) <= 2100
     r = raw.parse()
     call = r.output[0]
     assert (call.type, call.name, call.namespace) == ("function_call", "spawn_agent", "collaboration")
@@ -235,8 +266,10 @@ BAD = [
     ({"model": MODEL, "input": [5]}, 400, "input[0]"),
     ({"model": MODEL, "input": [{"type": "message", "role": "robot", "content": "x"}]}, 400, "input[0].role"),
     ({"model": MODEL, "input": [{"role": "user"}]}, 400, "input[0].content"),
-    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, 400,
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_video", "video_url": "u"}]}]}, 400,
      "input[0].content[0].type"),
+    ({"model": MODEL, "input": [USER, {"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]}, 400,
+     "input[1].input"),
     ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
      "input[0].content[0].text"),
     ({"model": MODEL, "input": [USER, {"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,

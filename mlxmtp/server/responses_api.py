@@ -30,7 +30,7 @@ import itertools
 import json
 import time
 import uuid
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from starlette.requests import Request as HTTPRequest
 
@@ -49,6 +49,18 @@ from .responses_input import (
 from .validation import field, parse_json_body, sampling_params
 
 WARNING_HEADER = "x-mlxmtp-warning"
+WARNING_HEADER_CHARS = 2000  # HTTP clients refuse long header lines (Node: 16 KiB for all headers)
+
+
+def warning_header(warnings: List[str]) -> Dict[str, str]:
+    """The warnings as one header, the first ones only when they would make it long."""
+    shown: List[str] = []
+    for i, w in enumerate(warnings):
+        if sum(len(x) + 2 for x in shown) + len(w) > WARNING_HEADER_CHARS:
+            shown.append(f"and {len(warnings) - i} more")
+            break
+        shown.append(w)
+    return {WARNING_HEADER: "; ".join(shown)} if shown else {}
 
 
 def _new_id(prefix: str) -> str:
@@ -198,7 +210,7 @@ class ResponsesReply(Reply):
         self.tools = tools
         self.shape = shape
         self.stream = stream
-        self.headers = {WARNING_HEADER: "; ".join(warnings)} if warnings else {}
+        self.headers = warning_header(warnings)
         self.items = OutputItems(tools)  # the stream's
 
     def response(self, gen: Generation) -> dict:

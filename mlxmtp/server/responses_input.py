@@ -19,13 +19,14 @@ import json
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
-from .chat import tool_arguments
+from .chat import check_schema, tool_arguments
 from .errors import APIError
 from .validation import field
 
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _SUMMARIES = ("auto", "concise", "detailed", "none")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 _STATELESS = ("this server keeps no conversation state (nothing is stored): send the whole conversation "
               "in 'input' instead of '{}'")
 
@@ -75,8 +76,7 @@ def _joined(namespace: Optional[str], name: str) -> str:
 def _function(t: dict, where: str, namespace: Optional[str], ns_description: Optional[str]) -> tuple:
     name = _string(t, "name", where)
     params = t.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise bad(f"'{where}.parameters' must be a JSON schema object", f"{where}.parameters")
+    check_schema(params, f"{where}.parameters", param=f"{where}.parameters")
     desc = t.get("description")
     if desc is not None and not isinstance(desc, str):
         raise bad(f"'{where}.description' must be a string", f"{where}.description")
@@ -197,7 +197,9 @@ def _text(content, where: str, *, tool_output: bool = False) -> str:
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
-        elif tool_output and isinstance(kind, str):
+        elif kind in _MEDIA_PARTS or (tool_output and isinstance(kind, str)):
+            # The models served read text only: a picture a user attached once stays in
+            # every later turn of the session, which must still run.
             texts.append(f"[{kind} omitted: this server reads text only]")
         else:
             raise bad(f"'{pw}.type' {kind!r} is not supported (text parts only: input_text, output_text)",
@@ -262,15 +264,22 @@ class _Turns:
             self._message(item, where)
         elif kind == "function_call":
             self._function_call(item, where)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             self._function_call_output(item, where)
+        elif kind == "custom_tool_call":  # a freeform tool's call (Codex's apply_patch): its text input
+            self._call(_string(item, "call_id", where), _string(item, "name", where),
+                       {"input": _string(item, "input", where)})
+        elif kind == "local_shell_call":
+            self._call(_string(item, "call_id", where), "local_shell", item.get("action") or {})
+        elif kind == "web_search_call":
+            pass  # a hosted search another server ran: its results are not in the input
         elif kind == "reasoning":
             text = _reasoning_text(item, where)
             if text:
                 self.reasoning.append(text)
         else:
-            raise bad(f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output, "
-                      "reasoning)", f"{where}.type")
+            raise bad(f"'{where}.type' {kind!r} is not supported (message, reasoning, function_call, "
+                      "custom_tool_call, local_shell_call and their outputs, web_search_call)", f"{where}.type")
 
     def _assistant(self, content: str) -> dict:
         msg = {"role": "assistant", "content": content}
@@ -303,15 +312,18 @@ class _Turns:
         if not isinstance(args, str):
             raise bad(f"'{where}.arguments' must be a JSON string", f"{where}.arguments")
         namespace = _string(item, "namespace", where, required=False)
-        call = {"id": call_id, "type": "function",
-                "function": {"name": self.tools.shown_name(namespace, name), "arguments": tool_arguments(args)}}
+        self._call(call_id, self.tools.shown_name(namespace, name), tool_arguments(args))
+
+    def _call(self, call_id: str, name: str, arguments) -> None:
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         last = self.messages[-1] if self.messages else None
         if last is None or last["role"] != "assistant" or self.reasoning:
             last = self._assistant("")
         last.setdefault("tool_calls", []).append(call)
 
     def _function_call_output(self, item: dict, where: str) -> None:
-        call_id = _string(item, "call_id", where)
+        # A local shell call's output names its call by `id`, the others by `call_id`.
+        call_id = _string(item, "call_id" if "call_id" in item or "id" not in item else "id", where)
         if "output" not in item:
             raise bad(f"'{where}.output' is a required field", f"{where}.output")
         output = _text(item["output"], f"{where}.output", tool_output=True)
