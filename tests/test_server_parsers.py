@@ -147,8 +147,13 @@ def test_openai_messages_conversion():
     assert msgs[1]["content"] == "hi there"
     assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"a": 1}  # dict for the template
     assert msgs[3] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    # A picture (aider's /add shot.png) becomes a note: the models served read text only.
+    seen = openai_messages([{"role": "user", "content": [
+        {"type": "text", "text": "what is this? "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}}]}])
+    assert seen[0]["content"] == "what is this? [image_url omitted: this server reads text only]"
     for bad in ([], "x", [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 5}],
-                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
+                [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+                [{"role": "user", "content": [{"type": "video", "video": {}}]}]):
         with pytest.raises(APIError) as e:
             openai_messages(bad)
         assert e.value.status == 400

@@ -22,6 +22,9 @@ Message = Dict[str, Any]
 
 
 # ------------------------------------------------------------------ OpenAI
+_MEDIA_PARTS = ("image_url", "input_audio", "file")
+
+
 def _text_of(content: Any, where: str) -> str:
     """OpenAI content: a string, null, or a list of parts (text only)."""
     if content is None:
@@ -37,6 +40,12 @@ def _text_of(content: Any, where: str) -> str:
                 if not isinstance(part.get("text"), str):
                     raise APIError(400, f"{where}: a text part needs a string 'text'", param="messages")
                 texts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") in _MEDIA_PARTS:
+                kind = part["type"]
+                if not isinstance(part.get(kind), dict):
+                    raise APIError(400, f"{where}: a {kind} part needs a '{kind}' object", param="messages")
+                # The models served read text only; the conversation (resent every turn) still runs.
+                texts.append(f"[{kind} omitted: this server reads text only]")
             elif isinstance(part, dict):
                 raise APIError(400, f"{where}: content parts of type {part.get('type')!r} are not supported "
                                     "(text only)", param="messages")
