@@ -139,6 +139,25 @@ def test_logprobs(oai):
     assert len(c.choices[0].logprobs.token_logprobs) == 5
 
 
+def test_logprobs_carry_each_token_s_own_bytes_and_offsets(oai, server):
+    # A byte-level token can be half a UTF-8 character: its text alone is U+FFFD, its bytes
+    # are its own, and the bytes joined are the text. "é" is two such tokens here.
+    tok = server.hook.tok
+    half = tok.encode("é", add_special_tokens=False)[0]
+    r = chat(oai, "Hello", max_tokens=3, logprobs=True, top_logprobs=1, logit_bias={str(half): 100})
+    lps = r.choices[0].logprobs.content
+    assert lps[0].bytes == list("é".encode())[:1] and lps[0].token == "\ufffd"
+    assert b"".join(bytes(e.bytes) for e in lps).decode("utf-8", "replace") == r.choices[0].message.content
+    # Completions: the sampled token is among its top_logprobs; a stream's text_offset runs on.
+    kw = dict(model=MODEL, prompt="def f(", max_tokens=8, temperature=1.5, seed=3, logprobs=1,
+              extra_body={"num_draft": 0})
+    whole = oai.completions.create(**kw).choices[0].logprobs
+    assert all(t in top for t, top in zip(whole.tokens, whole.top_logprobs))
+    chunks = [c.choices[0].logprobs for c in oai.completions.create(**kw, stream=True) if c.choices[0].logprobs]
+    assert [o for lp in chunks for o in lp.text_offset] == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(8)]
+
+
 def test_sampling_params_and_seed(oai):
     # Pinned depth: with adaptive MTP the engine's random-key use depends on the depth
     # it picks (timing-based), so seeded outputs repeat only at a fixed depth.

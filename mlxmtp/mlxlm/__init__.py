@@ -7,6 +7,7 @@ mlx-lm (mlxmtp/testing may still call its converter to build fixtures).
 - ragged_cache.py: the attention KV cache with a per-row end;
 - gdn_capture.py: the recorder that keeps what a Gated DeltaNet rollback needs;
 - loading.py: loading models, configs and tokenizers;
+- token_text.py: a tokenizer's text exactly (its streaming detokenizer, a token's bytes);
 - sampling.py: mlx-lm's samplers and logits processors, and its own generation loop (the
   baseline the benchmarks compare against).
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .family import text_parts
 from .pipeline import split_backbone
+from .token_text import exact_text
 
 
 def load(model_dir: Path, lazy: bool = False):
@@ -45,28 +46,6 @@ def load_tokenizer(model_dir: Path, eos_token_ids: Optional[list] = None):
     from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
     return exact_text(_load_tokenizer(Path(model_dir), eos_token_ids=eos_token_ids))
-
-
-def exact_text(tokenizer):
-    """The tokenizer, its streaming detokenizer made to keep a text's first space.
-
-    mlx-lm's BPE detokenizer drops the first character of its text when that is a space
-    (meant for SentencePiece's added prefix space). Byte-level BPE (every Qwen model) adds
-    none, so the dropped space was the model's: `x =` completed as `0` instead of ` 0`, and
-    an indented first line of code lost a column. mlx-lm's class is reused, without the trim.
-    """
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
-    class ExactBPEDetokenizer(BPEStreamingDetokenizer):
-        def _maybe_trim_space(self, current_text):
-            return current_text
-
-    detok = getattr(tokenizer, "_detokenizer", None)
-    if type(detok) is BPEStreamingDetokenizer:  # copy its state: the token map took a vocabulary pass
-        exact = ExactBPEDetokenizer.__new__(ExactBPEDetokenizer)
-        exact.__dict__.update(detok.__dict__)
-        tokenizer._detokenizer = exact
-    return tokenizer
 
 
 def load_pipelined(model_dir: Path, group, split, strict: bool = True):

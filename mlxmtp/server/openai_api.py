@@ -15,6 +15,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from ..engine.limits import MAX_TOP_LOGPROBS
+from ..mlxlm.token_text import token_bytes
 from .chat import build_prompt, encode_prompt, openai_messages, openai_tools
 from .errors import APIError
 from .generation import Generation
@@ -111,8 +112,7 @@ class _OpenAIReply(Reply):
 # ------------------------------------------------------------------ chat completions
 def _chat_logprobs(tok, lps: List[dict]) -> dict:
     def entry(token: int, logprob: float) -> dict:
-        s = tok.decode([token])
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": tok.decode([token]), "logprob": logprob, "bytes": list(token_bytes(tok, token))}
 
     return {"content": [dict(entry(e["token"], e["logprob"]), top_logprobs=[entry(t, lp) for t, lp in e["top"]])
                         for e in lps]}
@@ -240,14 +240,17 @@ async def chat_completions(request: HTTPRequest):
 
 # ------------------------------------------------------------------ text completions
 def _completion_logprobs(tok, lps: List[dict], offset: int = 0) -> dict:
-    tokens, values, offsets = [], [], []
+    """The legacy logprobs object; `offset`: where the first of these tokens starts in the
+    completion's text (a stream's chunks continue from the one before)."""
+    tokens, values, offsets, tops = [], [], [], []
     for e in lps:
         s = tok.decode([e["token"]])
         tokens.append(s)
         values.append(e["logprob"])
         offsets.append(offset)
         offset += len(s)
-    tops = [{tok.decode([t]): lp for t, lp in e["top"]} for e in lps]
+        # As OpenAI's: the sampled token is always among them (up to logprobs + 1 entries).
+        tops.append({**{tok.decode([t]): lp for t, lp in e["top"]}, s: e["logprob"]})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -258,6 +261,7 @@ class CompletionReply(_OpenAIReply):
     def __init__(self, state, model: str, stream: bool, include_usage: bool, lp_n: Optional[int]):
         super().__init__(state, model, stream, include_usage)
         self.lp_n = lp_n
+        self.text_offset = 0  # the next streamed token's text_offset
 
     def chunk(self, text: str, finish: Optional[str] = None, logprobs=None) -> str:
         return sse_data(self.envelope(self.chunk_object, [{"index": 0, "text": text, "finish_reason": finish,
@@ -265,7 +269,10 @@ class CompletionReply(_OpenAIReply):
 
     def update(self, gen: Generation, pieces, ev) -> List[str]:
         text = "".join(v for _, v in pieces)
-        lp = _completion_logprobs(self.tok, ev.logprobs) if (self.lp_n is not None and ev.logprobs) else None
+        lp = None
+        if self.lp_n is not None and ev.logprobs:
+            lp = _completion_logprobs(self.tok, ev.logprobs, self.text_offset)
+            self.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return [self.chunk(text, logprobs=lp)] if (text or lp) else []
 
     def final_chunk(self, gen: Generation) -> str:
