@@ -302,14 +302,22 @@ def test_eight_concurrent_streams_equal_solo(server):
     assert wait_idle(server.state)
 
 
+def _generated_total(server) -> float:
+    fams = text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+    return next(s.value for f in fams for s in f.samples if s.name == "mlxmtp_generated_tokens_total")
+
+
 def test_client_disconnect_mid_stream_frees_slot(server, oai):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 100000, "stream": True}
+    before = _generated_total(server)
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
         it = r.iter_lines()
         got = [next(it) for _ in range(6)]
         assert server.state.bridge.num_active + server.state.bridge.num_waiting == 1
     assert any(ln.startswith("data: ") for ln in got)
     assert wait_idle(server.state), "the cancelled request still holds its slot"
+    # What it generated before its client left is counted (its tokens took the machine's time).
+    assert _generated_total(server) - before >= 4
     body["stream"] = False
     body["max_tokens"] = 100000
     # Non-streaming too: a client timing out cancels the request.

@@ -173,6 +173,12 @@ class EngineBridge:
                     log.exception("metrics update failed")
 
     def _dispatch(self, ev: Event) -> None:
+        if ev.finish_reason is not None and ev.stats is not None and self.metrics is not None:
+            # Counted here, not by the listener: a request whose client left has none.
+            try:
+                self.metrics.on_finish(ev.stats)
+            except Exception:  # noqa: BLE001 - metrics must never stop generation
+                log.exception("metrics update failed")
         with self._lock:
             if ev.finish_reason is not None:
                 entry = self._queues.pop(ev.request_id, None)

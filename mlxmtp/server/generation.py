@@ -132,8 +132,6 @@ class Generation:
             self.finish_reason = ev.finish_reason
             self.stats = ev.stats
             self.stop = ev.stop
-            if ev.stats is not None:
-                self.state.metrics.on_finish(ev.stats)
         return pieces
 
     def abandon(self) -> None:
