@@ -115,7 +115,11 @@ def _answers(url):
            "completion": oai.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=12,
                                                 temperature=0).choices[0].text,
            "seeded": [_chat(oai, "Pick", temperature=0.8, seed=7).choices[0].message.content for _ in range(2)],
-           "stop": _chat(oai, "Hello there", stop=["e"]).choices[0].finish_reason}
+           "stop": _chat(oai, "Hello there", stop=["e"]).choices[0].finish_reason,
+           # Held to a schema: every rank runs the grammar (its processor travels as a recipe).
+           "json": _chat(oai, "Describe", max_tokens=300, response_format={"type": "json_schema", "json_schema": {
+               "name": "t", "schema": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+                                       "required": ["n"], "additionalProperties": False}}}).choices[0].message.content}
     lp = _chat(oai, "Hi", logprobs=True, top_logprobs=2, max_tokens=4).choices[0].logprobs.content
     out["logprobs"] = [(t.token, [x.token for x in t.top_logprobs]) for t in lp]
     msg = ant.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
@@ -132,6 +136,7 @@ def test_two_rank_server_answers_as_one_process(two_ranks, one_process):
     got = _answers(two_ranks.url)
     assert got == _answers(one_process.url)
     assert got["seeded"][0] == got["seeded"][1]  # every rank drew the same numbers
+    assert 0 <= json.loads(got["json"])["n"] <= 9
     health = httpx.get(two_ranks.url + "/health").json()
     assert health["status"] == "ok" and health["mtp_active"]
 

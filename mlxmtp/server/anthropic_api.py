@@ -1,7 +1,8 @@
 """Anthropic-compatible endpoint: POST /v1/messages (what Claude Code speaks).
 
 Taken as clients send it: `role: "system"` entries inside `messages` (placed by
-chat.place_system), beta fields (`context_management`, `output_config`, `metadata`,
+chat.place_system), `output_config.format` (a JSON schema the answer is held to:
+structured_output.py), beta fields (`context_management`, the rest of `output_config`, `metadata`,
 `?beta=true`) ignored, `thinking.budget_tokens` an upper bound on the reasoning
 (thinking_budget.py), `tool_choice` any / tool forcing the call (chat.build_prompt).
 A last assistant message with text is a prefill: the answer continues it (chat.render).
@@ -22,6 +23,7 @@ from .chat import Prompt, build_prompt
 from .errors import APIError
 from .generation import Generation
 from .request_path import Reply, check_model, handle, new_generation, sse_event
+from .structured_output import hold_to_format
 from .thinking_budget import add_budget
 from .validation import anthropic_tool_choice, field, parse_json_body, sampling_params, string_list
 
@@ -97,7 +99,19 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
                          anthropic=True)
     if not prompt.opening:  # a forced tool call has no reasoning to bound
         add_budget(gen.req, state.tok, _thinking(body)[1], prompt.in_think)
+    fmt, where = _output_format(body)
+    if fmt is not None and prompt.continues:
+        raise APIError(400, f"{where}: a prefilled answer cannot also be held to a format")
+    hold_to_format(gen.req, state.tok, fmt, where, prompt)
     return gen, MessageReply(model, stream)
+
+
+def _output_format(body: dict) -> Tuple[Optional[dict], str]:
+    """Structured outputs: `output_config.format`, or the beta's `output_format`."""
+    config = body.get("output_config")
+    if isinstance(config, dict) and config.get("format") is not None:
+        return config["format"], "output_config.format"
+    return body.get("output_format"), "output_format"
 
 
 async def messages(request: HTTPRequest):

@@ -30,6 +30,7 @@ from . import anthropic_api, openai_api, responses_api
 from .engine_thread import EngineBridge
 from .errors import APIError, error_response, is_anthropic_path
 from .metrics import Metrics
+from .structured_output import serve_tokenizer
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -94,6 +95,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                              compile_steps, memory_mb)
     log.info("prefix cache: up to %d MiB", options["prefix_cache_bytes"] >> 20)
     args = text_parts(model).args
+    serve_tokenizer(tok, args.vocab_size)  # what response formats are compiled for
     context_length = _context_in_memory(model, mtp_active, context_length or args.max_position_embeddings,
                                         options["memory_bytes"])
 

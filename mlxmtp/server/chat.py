@@ -227,6 +227,7 @@ class Prompt:
     text: str
     in_think: bool  # generation starts inside <think>
     opening: str = ""  # a forced tool-call opening at the end of the prompt, as if the model had written it
+    continues: bool = False  # the prompt ends inside a prefilled answer (render's continue_final)
 
     def splitter(self, tools: Optional[List[dict]]) -> OutputSplitter:
         return OutputSplitter(in_thinking=self.in_think, parse_tools=bool(tools), tools=tools, emitted=self.opening)
@@ -241,7 +242,7 @@ def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = Non
     see `render`."""
     ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs, continue_final)
     if not tools or tool_choice in (None, "auto", "none"):
-        return Prompt(ids, text, in_think)
+        return Prompt(ids, text, in_think, continues=continue_final)
     if continue_final:
         raise APIError(400, "a forced tool call starts a new turn: it cannot continue a prefilled "
                             "assistant message", param="tool_choice")

@@ -166,7 +166,10 @@ def _follow(m, tok, group, dist_timeout: float, options: dict) -> None:
     builds rank 0's) until it stops, then exit."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.engine import DistributedEngine
+    from ..mlxlm.family import text_parts
+    from .structured_output import serve_tokenizer
 
+    serve_tokenizer(tok, text_parts(m).args.vocab_size)  # rank 0's response formats run here too
     log.info("rank %d: following rank 0", group.rank())
     DistributedEngine(m, tok, group=group, dist_timeout=dist_timeout, **options).follow()
 

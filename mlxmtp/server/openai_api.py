@@ -20,6 +20,7 @@ from .chat import build_prompt, encode_prompt, openai_messages, openai_tools
 from .errors import APIError
 from .generation import Generation
 from .request_path import Reply, check_model, handle, new_generation, sse_data
+from .structured_output import hold_to_format
 from .validation import (
     field,
     openai_tool_choice,
@@ -231,6 +232,7 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
         max_tokens = field(body, "max_tokens", int, minimum=1)
     gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools),
                          stop=string_list(body, "stop"), logprobs=(top_n or 0) if want_lp else None)
+    hold_to_format(gen.req, state.tok, body.get("response_format"), "response_format", prompt)
     return gen, ChatReply(state, model, stream, include_usage, want_lp)
 
 

@@ -46,6 +46,7 @@ from .responses_input import (
     thinking_flag,
     tool_choice,
 )
+from .structured_output import hold_to_format
 from .validation import field, parse_json_body, sampling_params
 
 WARNING_HEADER = "x-mlxmtp-warning"
@@ -267,6 +268,8 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, ResponsesReply]:
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
     prompt = build_prompt(state.tok, messages, chat_tools, thinking, tool_choice=choice)
     gen = new_generation(state, body, prompt.ids, max_out, params, prompt.splitter(chat_tools), param="input")
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    hold_to_format(gen.req, state.tok, text.get("format"), "text.format", prompt)
     shape = ResponseShape(body, model, params, max_out)
     return gen, ResponsesReply(state.tok, tools, shape, stream, warnings)
 

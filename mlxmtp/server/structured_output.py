@@ -1,0 +1,155 @@
+"""Structured output: an answer held to a JSON schema (OpenAI `response_format`, the
+Responses API's `text.format`, Anthropic's `output_config.format`).
+
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema and
+tells, token by token, which tokens keep the output valid. Here it becomes a logits
+processor of mlx-lm's signature: the tokens the grammar refuses get -inf before sampling.
+The engine applies a request's processors to every distribution it samples from or
+verifies against (each MTP draft and each verified position, with its own context), so
+MTP decodes exactly what the model decodes under the same constraint, greedy or sampled,
+and its drafts obey the grammar too. Written by hand: mlx-lm has no structured output;
+this file only bridges llguidance's matcher to those calls.
+
+When the prompt leaves `<think>` open the reasoning is free, and the schema holds from the
+token after `</think>`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import APIError
+
+# The model served in this process (one per process): its tokenizer and vocabulary, for
+# the matchers of every rank of a distributed server (see `serve_tokenizer`).
+_MODEL: dict = {}
+
+
+def serve_tokenizer(tok, vocab_size: int) -> None:
+    """Name the tokenizer the grammars of this process are compiled for (the server and
+    every rank following it call this at start-up)."""
+    _MODEL.update(tok=tok, vocab_size=vocab_size, compiled=None)
+
+
+def _ll_tokenizer():
+    """llguidance's view of the served tokenizer, made on first use (~1 s for 250K tokens)."""
+    import llguidance.hf  # on use: only requests with a format need it
+
+    if _MODEL.get("compiled") is None:
+        tok = _MODEL["tok"]
+        _MODEL["compiled"] = llguidance.hf.from_tokenizer(
+            tok._tokenizer, n_vocab=_MODEL["vocab_size"], eos_token=sorted(tok.eos_token_ids))
+    return _MODEL["compiled"]
+
+
+def requested_schema(fmt, where: str) -> Optional[dict]:
+    """A format field, in any of the APIs' shapes -> the JSON schema the answer must follow,
+    or None for free text. A shape it does not know is a 400 naming `where`."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"'{where}' must be an object", param=where)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise APIError(400, f"'{where}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       param=f"{where}.type")
+    inner, path = (fmt["json_schema"], f"{where}.json_schema") if isinstance(fmt.get("json_schema"), dict) \
+        else (fmt, where)  # chat completions nests it; Responses and Anthropic do not
+    schema = inner.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise APIError(400, f"'{path}.schema' must be a JSON schema object", param=f"{path}.schema")
+    return schema
+
+
+# JSON's whitespace between tokens, bounded: pretty-printed output fits (a newline and the
+# indentation of deep nesting), while a weak or small model cannot loop on whitespace forever.
+_WHITESPACE = r"[ \t\n\r]{0,64}"
+
+
+def grammar_for(schema: dict, where: str) -> str:
+    """The llguidance grammar of a JSON schema; a schema it cannot compile is a 400."""
+    import llguidance  # on use, as above
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": _WHITESPACE})
+        error = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer())  # "" when it compiles
+    except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising
+        error = str(e) or type(e).__name__
+    if error:
+        raise APIError(400, f"'{where}' cannot be enforced: {error}", param=where)
+    return grammar
+
+
+def hold_to_format(req, tok, fmt, where: str, prompt) -> None:
+    """Hold the engine request's answer to the format field `fmt` (named `where`), if it
+    asks for one. `prompt` (chat.Prompt): a turn that starts inside <think> is held from
+    `</think>` on; a turn the server forces to call a tool cannot also be held to a format."""
+    schema = requested_schema(fmt, where)
+    if schema is None:
+        return
+    if prompt.opening:
+        raise APIError(400, f"'{where}': a turn forced to call a tool (tool_choice) cannot also be held to "
+                            "a format", param=where)
+    opens_after = tok.encode("</think>", add_special_tokens=False) if prompt.in_think else None
+    req.params.logits_processors.append(grammar_processor(grammar_for(schema, where), len(req.prompt), opens_after))
+
+
+def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[int]] = None) -> "GrammarProcessor":
+    import llguidance  # on use, as above
+
+    proc = GrammarProcessor(llguidance.LLMatcher(_ll_tokenizer(), grammar), prompt_len, opens_after)
+    # How another rank of a distributed server rebuilds it (distributed/wire.py).
+    proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after])
+    return proc
+
+
+class GrammarProcessor:
+    """(context [prompt + generated], logits [1, V]) -> logits with the tokens the grammar
+    refuses next at -inf. The engine calls it for any prefix (a verify checks k+1 positions;
+    drafts it rejected are replaced): the matcher is brought to each context by rolling back
+    what differs from the tokens it consumed and consuming the rest. A context the grammar
+    refuses (a draft after a refused one, rejected anyway) gets its logits unchanged."""
+
+    def __init__(self, matcher, prompt_len: int, opens_after: Optional[List[int]] = None):
+        self.matcher = matcher
+        self.prompt_len = prompt_len
+        self.opens_after = opens_after  # the grammar holds after these tokens (`</think>`), or at once
+        self.consumed: List[int] = []
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        held = self._held(context.tolist()[self.prompt_len:])
+        if held is None or not self._reach(held):
+            return logits
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = mx.array(bits[: logits.shape[-1]].astype(np.bool_))
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _held(self, generated: List[int]) -> Optional[List[int]]:
+        """The generated tokens the grammar covers; None while it does not hold yet."""
+        if self.opens_after is None:
+            return generated
+        n = len(self.opens_after)
+        for i in range(len(generated) - n + 1):
+            if generated[i : i + n] == self.opens_after:
+                return generated[i + n :]
+        return None
+
+    def _reach(self, tokens: List[int]) -> bool:
+        """Bring the matcher to `tokens`; False when the grammar refuses one of them."""
+        same = 0
+        while same < min(len(tokens), len(self.consumed)) and tokens[same] == self.consumed[same]:
+            same += 1
+        if same < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - same)
+            del self.consumed[same:]
+        rest = tokens[same:]
+        taken = self.matcher.try_consume_tokens(rest) if rest else 0
+        self.consumed += rest[:taken]
+        return taken == len(rest)

@@ -1,0 +1,159 @@
+"""Structured output: an answer held to a JSON schema (llguidance's grammar as a logits
+processor) is exactly what mlx-lm's own decoding writes under the same constraint, at every
+MTP depth and acceptance length, and valid against the schema; each API's format field.
+
+The fixture model is random: held to a schema it still writes valid JSON (every token is
+chosen among those the grammar allows), which is what is checked, not its content."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from engine_helpers import loaded, oracle_hook, prompt_of
+from mlx_lm.generate import generate_step
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.server.structured_output import grammar_for, grammar_processor, serve_tokenizer
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}}
+
+
+def valid(obj) -> bool:
+    """What SCHEMA asks of an answer."""
+    return (isinstance(obj, dict) and set(obj) == {"name", "n", "ok", "tags"} and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 6 and isinstance(obj["n"], int) and obj["n"] >= 0 and isinstance(obj["ok"], bool)
+            and isinstance(obj["tags"], list) and len(obj["tags"]) <= 2 and set(obj["tags"]) <= {"a", "b"})
+
+
+def held(tok, prompt):
+    serve_tokenizer(tok, 320)
+    return grammar_processor(grammar_for(SCHEMA, "test"), len(prompt))
+
+
+def mlx_lm_held(ref, tok, prompt, n=600):
+    """mlx-lm's own greedy decoding with the processor: the ground truth."""
+    out = []
+    for t, _ in generate_step(mx.array(prompt), ref, max_tokens=n, logits_processors=[held(tok, prompt)]):
+        out.append(int(t))
+        if out[-1] in tok.eos_token_ids:
+            break
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_6_moe"])
+def test_held_output_equals_mlx_lm_at_every_depth_and_acceptance_length(fixture_model, family):
+    model, tok, ref = loaded(str(fixture_model(family)["hf"]))
+    prompt = prompt_of(23, seed=5)
+    want = mlx_lm_held(ref, tok, prompt)
+    assert want[-1] in tok.eos_token_ids and valid(json.loads(tok.decode(want[:-1])))
+    for k in (0, 1, 2, 4):
+        eng = BatchGenerator(model, tok, num_draft=k)
+        req = Request(prompt=prompt, max_tokens=600, params=SamplingParams(logits_processors=[held(tok, prompt)]))
+        eng.submit(req)
+        # Drafts right with p = 0.7: every acceptance length occurs, so the matcher rolls
+        # back rejected drafts at every depth.
+        eng.draft_hook = oracle_hook({req.id: want}, p_correct=0.7, seed=k)
+        got = []
+        while eng.has_work:
+            for ev in eng.step():
+                got += ev.token_ids
+        assert got == want, f"{family} k={k}"
+
+
+def test_sampled_held_output_is_valid_at_every_depth(fixture_model):
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    for k in (0, 3):
+        for seed in range(3):
+            prompt = prompt_of(9, seed=seed)
+            params = SamplingParams(temperature=1.0, seed=seed, logits_processors=[held(tok, prompt)])
+            eng = BatchGenerator(model, tok, num_draft=k)
+            eng.submit(Request(prompt=prompt, max_tokens=600, params=params))
+            got = []
+            while eng.has_work:
+                for ev in eng.step():
+                    got += ev.token_ids
+            assert got[-1] in tok.eos_token_ids and valid(json.loads(tok.decode(got[:-1]))), (k, seed)
+
+
+# ------------------------------------------------------------------ the APIs' format fields
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(max_concurrent=4)
+
+
+def test_every_api_holds_its_answer_to_the_schema(server, oai, ant):
+    chat = oai.chat.completions.create(model="m", max_tokens=600, temperature=0, messages=[
+        {"role": "user", "content": "Describe it."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}})
+    assert chat.choices[0].finish_reason == "stop" and valid(json.loads(chat.choices[0].message.content))
+    # Any object: a random model may not close one within the tokens it is given.
+    obj = oai.chat.completions.create(model="m", max_tokens=40, temperature=0, response_format={"type": "json_object"},
+                                      messages=[{"role": "user", "content": "Any object."}]).choices[0]
+    assert obj.message.content.startswith("{")
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
+    resp = oai.responses.create(model="m", input="Describe it.", max_output_tokens=600, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA}})
+    assert resp.status == "completed" and valid(json.loads(resp.output_text))
+    msg = ant.messages.create(model="m", max_tokens=600, messages=[{"role": "user", "content": "Describe it."}],
+                              extra_body={"temperature": 0, "output_config": {
+                                  "format": {"type": "json_schema", "schema": SCHEMA}}})
+    assert msg.stop_reason == "end_turn" and valid(json.loads(msg.content[0].text))
+
+
+def test_a_schema_it_cannot_enforce_and_a_forced_call_are_400s(server):
+    import httpx
+
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools,
+        "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and "forced to call a tool" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/responses", timeout=30, json={
+        "model": "m", "input": "x", "text": {"format": {"type": "yaml"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"
+
+
+def _reasoning_first(tok, text):
+    """request_hook: the output starts with `text` (the model's reasoning), then is free."""
+    ids = tok.encode(text, add_special_tokens=False)
+
+    def hook(req, body):
+        def proc(ctx, logits, n=len(req.prompt)):
+            i = int(ctx.shape[0]) - n
+            if i >= len(ids):
+                return logits
+            return mx.where(mx.arange(logits.shape[-1]) == ids[i], 0.0, -1e9).astype(logits.dtype)[None]
+
+        req.params.logits_processors.insert(0, proc)
+
+    return hook
+
+
+def test_reasoning_stays_free_and_the_answer_after_it_is_held(start_server, tmp_path):
+    # A template that opens <think> in the prompt (Qwen3.5/3.6): the reasoning is the
+    # model's own, the schema holds from </think> on.
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    from mlxmtp.testing.fixtures import CHAT_TEMPLATE, write_tokenizer
+
+    tok = load_tok(write_tokenizer(tmp_path))
+    off = "{%- if enable_thinking is defined and enable_thinking is false %}\n        {{- '<think>\\n\\n</think>\\n\\n' }}"
+    tok._tokenizer.chat_template = CHAT_TEMPLATE.replace(off, off + "\n    {%- else %}\n        {{- '<think>\\n' }}")
+    srv = start_server(hook=_reasoning_first(tok, "I will answer in JSON.\n</think>\n\n"), tok=tok)
+    import openai
+
+    oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = oai.chat.completions.create(model="m", max_tokens=600, temperature=0, messages=[
+        {"role": "user", "content": "Describe it."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}})
+    m = r.choices[0].message
+    assert m.reasoning_content == "I will answer in JSON." and valid(json.loads(m.content)), m
