@@ -14,7 +14,7 @@ def exact_text(tokenizer):
     none, so the dropped space was the model's: `x =` completed as `0` instead of ` 0`, and
     an indented first line of code lost a column. mlx-lm's class is reused, without the trim.
     """
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer  # mlx-lm on use (see loading.py)
 
     class ExactBPEDetokenizer(BPEStreamingDetokenizer):
         def _maybe_trim_space(self, current_text):
@@ -32,7 +32,7 @@ def token_bytes(tokenizer, token: int) -> bytes:
     """A token's own bytes. A byte-level BPE token can be part of a UTF-8 character (the
     first byte of "é"), which decoding it alone turns into U+FFFD; clients join these bytes
     (OpenAI's logprobs `bytes`) to rebuild such text."""
-    from mlx_lm.tokenizer_utils import _byte_decoder
+    from mlx_lm.tokenizer_utils import _byte_decoder  # mlx-lm on use (see loading.py)
 
     tokenmap = getattr(getattr(tokenizer, "_detokenizer", None), "tokenmap", None)
     if tokenmap is not None and 0 <= token < len(tokenmap):
