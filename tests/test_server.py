@@ -38,6 +38,8 @@ SCRIPTS = {
     "thinktool": ('<think>\nneed weather\n</think>\n\n<tool_call>\n{"name": "get_weather", '
                   '"arguments": {"city": "Oslo"}}\n</tool_call>'),
     "indent": "    return x ",
+    "twocalls": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
 }
 
 
@@ -232,6 +234,26 @@ def test_tool_call_xml_openai_stream(oai):
     args = "".join(tc.function.arguments or "" for tc in calls)
     assert json.loads(args) == {"city": "Paris", "days": 3}  # typed by the tool's schema
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_one_tool_call_when_parallel_calls_are_off(server, oai, ant):
+    # The model writes two calls; parallel_tool_calls false (OpenAI, Responses) or
+    # disable_parallel_tool_use (Anthropic) ends the answer after the first.
+    def chat_calls(**kw):
+        r = chat(oai, "FORCE:twocalls", max_tokens=200, tools=TOOLS, **kw).choices[0]
+        return r.finish_reason, [json.loads(c.function.arguments)["city"] for c in r.message.tool_calls]
+
+    assert chat_calls() == ("tool_calls", ["Paris", "Oslo"])
+    assert chat_calls(parallel_tool_calls=False) == ("tool_calls", ["Paris"])
+    resp = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "FORCE:twocalls", "max_output_tokens": 200, "parallel_tool_calls": False,
+        "tools": [dict(type="function", **TOOLS[0]["function"])]}).json()
+    assert [json.loads(i["arguments"])["city"] for i in resp["output"]] == ["Paris"]
+    for disable, cities in ((False, ["Paris", "Oslo"]), (True, ["Paris"])):
+        m = ant.messages.create(model=MODEL, max_tokens=200, tools=ANTHROPIC_TOOLS, messages=[
+            {"role": "user", "content": "FORCE:twocalls"}], tool_choice={"type": "auto", "disable_parallel_tool_use": disable})
+        assert m.stop_reason == "tool_use" and m.stop_sequence is None
+        assert [b.input["city"] for b in m.content if b.type == "tool_use"] == cities
 
 
 def test_tool_call_text_without_tools_is_content(oai):

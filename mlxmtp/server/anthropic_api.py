@@ -103,6 +103,10 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
     if fmt is not None and prompt.continues:
         raise APIError(400, f"{where}: a prefilled answer cannot also be held to a format")
     hold_to_format(gen.req, state.tok, fmt, where, prompt)
+    choice = body.get("tool_choice")
+    if tools and isinstance(choice, dict) and field(choice, "disable_parallel_tool_use", bool,
+                                                    label="tool_choice.disable_parallel_tool_use"):
+        gen.one_tool_call()
     return gen, MessageReply(model, stream)
 
 

@@ -10,6 +10,7 @@ from typing import AsyncIterator, List, Optional, Tuple
 from ..engine.request import Event, Request
 from .errors import APIError
 from .reasoning import OutputSplitter, Piece
+from .tool_parsers import TOOL_CALL_END
 
 # A stream with no new token (a long prefill, waiting for a batch slot, or a request
 # that waits for memory to resume: engine/memory.py) sends a keep-alive this often:
@@ -54,6 +55,7 @@ class Generation:
         self.logprobs: List[dict] = []
         self.finish_reason: Optional[str] = None
         self.stop: Optional[str] = None  # the stop string that ended it (engine Event.stop)
+        self.own_stops: set = set()  # stop strings the server added (not the client's: not reported)
         self.error: Optional[str] = None
         self.stats = None
         self.pieces: List[Piece] = []
@@ -171,8 +173,14 @@ class Generation:
         return bool(self.token_ids) and self.token_ids[-1] in set(stop_ids)
 
     def stop_sequence(self) -> Optional[str]:
-        """Which stop string ended the output (None for EOS / length), as the engine found it."""
-        return self.stop
+        """Which of the client's stop strings ended the output (None for EOS / length)."""
+        return None if self.stop in self.own_stops else self.stop
+
+    def one_tool_call(self) -> None:
+        """At most one tool call (parallel_tool_calls false, disable_parallel_tool_use): the
+        output ends where the first call closes (the splitter takes a call cut there)."""
+        self.req.stop.append(TOOL_CALL_END)
+        self.own_stops.add(TOOL_CALL_END)
 
 
 def finish_error(gen: Generation) -> APIError:
