@@ -293,6 +293,8 @@ BAD = [
     ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"model": MODEL, "input": "x", "temperature": 3}, 400, "temperature"),
     ({"model": MODEL, "input": "x", "store": "no"}, 400, "store"),
+    ({"model": MODEL, "input": "x", "prompt_cache_key": 5}, 400, "prompt_cache_key"),
+    ({"model": MODEL, "input": "x", "top_logprobs": "x"}, 400, "top_logprobs"),
     ({"model": MODEL, "input": "x", "truncation": "middle"}, 400, "truncation"),
     ({"model": MODEL, "input": "x " * 2000}, 400, "input"),
 ]

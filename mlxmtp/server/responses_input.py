@@ -358,7 +358,8 @@ def check_accepted(body: dict) -> None:
     if body.get("prompt") is not None:
         raise bad("stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'", "prompt")
     for name, kind in (("store", bool), ("metadata", dict), ("user", str), ("parallel_tool_calls", bool),
-                       ("text", dict), ("max_tool_calls", int)):
+                       ("text", dict), ("max_tool_calls", int), ("prompt_cache_key", str), ("top_logprobs", int),
+                       ("service_tier", str), ("safety_identifier", str), ("stream_options", dict)):
         field(body, name, kind)
     truncation = field(body, "truncation", str)
     if truncation is not None and truncation not in ("auto", "disabled"):
