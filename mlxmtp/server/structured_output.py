@@ -68,9 +68,11 @@ def requested_schema(fmt, where: str) -> Optional[dict]:
     return schema
 
 
-# JSON's whitespace between tokens, bounded: pretty-printed output fits (a newline and the
+# JSON's whitespace between tokens is bounded: pretty-printed output fits (a newline and the
 # indentation of deep nesting), while a weak or small model cannot loop on whitespace forever.
-_WHITESPACE = r"[ \t\n\r]{0,64}"
+# Lenient: keywords llguidance does not know (a `format` of a client's own) are not enforced
+# rather than failing the request; what it cannot compile at all is still a 400.
+_OPTIONS = {"whitespace_pattern": r"[ \t\n\r]{0,64}", "lenient": True}
 
 
 def grammar_for(schema: dict, where: str) -> str:
@@ -78,7 +80,7 @@ def grammar_for(schema: dict, where: str) -> str:
     import llguidance  # on use, as above
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": _WHITESPACE})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
         error = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer())  # "" when it compiles
     except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising
         error = str(e) or type(e).__name__
