@@ -1,7 +1,7 @@
 """OpenAI Responses API: POST /v1/responses (what Codex CLI speaks), streaming or not.
 
 The request becomes the same chat messages as /v1/chat/completions (chat.py's shape):
-responses_input.py reads `instructions`, `input` items and `tools`. The output pieces
+responses_input.py reads `instructions` and `input` items, responses_tools.py `tools`. The output pieces
 (reasoning / content / tool calls, split as for chat completions) become output items:
 `reasoning`, `message` and `function_call`.
 
@@ -38,14 +38,8 @@ from .chat import build_prompt
 from .generation import Generation
 from .reasoning import Piece
 from .request_path import Reply, check_model, handle, new_generation, sse_event
-from .responses_input import (
-    Tools,
-    check_accepted,
-    input_messages,
-    parse_tools,
-    thinking_flag,
-    tool_choice,
-)
+from .responses_input import check_accepted, input_messages, thinking_flag
+from .responses_tools import Tools, parse_tools, tool_choice
 from .structured_output import hold_to_format
 from .validation import field, parse_json_body, sampling_params
 

@@ -1,0 +1,150 @@
+"""The `tools` and `tool_choice` of a /v1/responses request -> the function tools the
+chat template renders (responses_api.py has the overview).
+
+`function` tools are flat (`name`, `parameters` at the top level); a `namespace` tool's
+functions are flattened for the chat template, and `Tools` maps a called name back to its
+namespace. Hosted tools (web_search, file_search, code_interpreter, ...) and freeform
+`custom` tools cannot run here: they are left out with a warning for the response header.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+from .chat import check_schema
+from .responses_input import _string, bad
+
+
+class Tools:
+    """The request's function tools as the chat template sees them (namespaces
+    flattened, hosted tools left out) and the way back from a called name to
+    (namespace, name).
+
+    A namespaced function is shown to the model under its own name when no other tool
+    has that name, as `namespace + name` when the two read as one name (Codex's
+    `mcp__server__` + `tool`), else as `namespace.name`; the model may call any of these."""
+
+    def __init__(self) -> None:
+        self.chat: List[dict] = []
+        self.shown: Dict[Tuple[Optional[str], str], str] = {}  # (namespace, name) -> the name the model sees
+        self.calls: Dict[str, Tuple[Optional[str], str]] = {}  # a name the model calls -> (namespace, name)
+
+    def resolve(self, called: str) -> Tuple[Optional[str], str]:
+        return self.calls.get(called, (None, called))
+
+    def shown_name(self, namespace: Optional[str], name: str) -> str:
+        return self.shown.get((namespace, name)) or _joined(namespace, name)
+
+
+def _joined(namespace: Optional[str], name: str) -> str:
+    if not namespace:
+        return name
+    return namespace + name if namespace.endswith("_") or name.startswith("_") else f"{namespace}.{name}"
+
+
+def _function(t: dict, where: str, namespace: Optional[str], ns_description: Optional[str]) -> tuple:
+    name = _string(t, "name", where)
+    params = t.get("parameters")
+    check_schema(params, f"{where}.parameters", param=f"{where}.parameters")
+    desc = t.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise bad(f"'{where}.description' must be a string", f"{where}.description")
+    if ns_description:
+        desc = f"{desc}\n\n({namespace}: {ns_description})" if desc else f"({namespace}: {ns_description})"
+    return namespace, name, desc, params or {"type": "object", "properties": {}}
+
+
+def parse_tools(raw, warnings: List[str]) -> Tools:
+    """`tools` -> Tools; hosted tools are left out, with a line in `warnings`."""
+    tools = Tools()
+    if raw is None:
+        return tools
+    if not isinstance(raw, list):
+        raise bad("'tools' must be an array", "tools")
+    entries = []
+    for i, t in enumerate(raw):
+        entries += _tool_entries(t, f"tools[{i}]", warnings)
+    _name_tools(tools, entries)
+    return tools
+
+
+def _tool_entries(t, where: str, warnings: List[str]) -> List[tuple]:
+    """One `tools` entry -> its functions as (namespace, name, description, parameters)."""
+    if not isinstance(t, dict):
+        raise bad(f"'{where}' must be an object", where)
+    kind = t.get("type")
+    if kind == "function":
+        return [_function(t, where, None, None)]
+    if kind == "namespace":
+        return _namespace_entries(t, where, warnings)
+    if isinstance(kind, str):
+        warnings.append(f"ignored {where} of type {json.dumps(kind)[:40]}: hosted tools do not run here")
+        return []
+    raise bad(f"'{where}.type' must be a string such as 'function'", f"{where}.type")
+
+
+def _namespace_entries(t: dict, where: str, warnings: List[str]) -> List[tuple]:
+    namespace = _string(t, "name", where)
+    children = t.get("tools")
+    if not isinstance(children, list):
+        raise bad(f"'{where}.tools' must be an array of function tools", f"{where}.tools")
+    ns_desc = t.get("description") if isinstance(t.get("description"), str) else None
+    entries = []
+    for j, child in enumerate(children):
+        cw = f"{where}.tools[{j}]"
+        if not isinstance(child, dict) or not isinstance(child.get("type"), str):
+            raise bad(f"'{cw}' must be a tool object with a 'type'", cw)
+        if child["type"] == "function":
+            entries.append(_function(child, cw, namespace, ns_desc))
+        else:
+            warnings.append(f"ignored {cw} of type {json.dumps(child['type'])[:40]}: only function tools run")
+    return entries
+
+
+def _name_tools(tools: Tools, entries: List[tuple]) -> None:
+    """Fill `tools` from the functions: the name each is shown under (see Tools), the
+    chat template's tool list, and every spelling a call may come back with."""
+    bare = Counter(name for _, name, _, _ in entries)
+    for namespace, name, desc, params in entries:
+        if namespace is None or bare[name] > 1 or namespace.endswith("_") or name.startswith("_"):
+            shown = _joined(namespace, name)
+        else:
+            shown = name
+        fn = {"name": shown, "description": desc, "parameters": params}  # chat completions' key order
+        if not desc:
+            del fn["description"]
+        tools.chat.append({"type": "function", "function": fn})
+        tools.shown[(namespace, name)] = shown
+        tools.calls[shown] = (namespace, name)
+    for namespace, name, _, _ in entries:  # other spellings a model may use for a namespaced call
+        if namespace is not None:
+            for alias in (_joined(namespace, name), f"{namespace}.{name}", namespace + name, name):
+                if alias != name or bare[name] == 1:
+                    tools.calls.setdefault(alias, (namespace, name))
+
+
+def tool_choice(body: dict, tools: Tools, warnings: List[str]) -> str:
+    """-> 'auto', 'none', 'required' or the shown name of the one function to call."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad(f"'tool_choice' must be 'auto', 'none', 'required' or an object, got {choice!r}",
+                       "tool_choice")
+        if choice == "required" and not tools.chat:
+            raise bad("'tool_choice' is 'required' but 'tools' has no function tools", "tool_choice")
+        return choice
+    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
+        raise bad("'tool_choice' must be a string or an object with a 'type'", "tool_choice")
+    if choice["type"] == "function":
+        name = _string(choice, "name", "tool_choice")
+        namespace = choice.get("namespace") if isinstance(choice.get("namespace"), str) else None
+        key = (namespace, name) if namespace else tools.resolve(name)
+        if key not in tools.shown:
+            raise bad(f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice.name")
+        return tools.shown[key]
+    warnings.append(f"ignored tool_choice of type {json.dumps(choice['type'])[:40]}")
+    return "auto"
