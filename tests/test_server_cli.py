@@ -170,3 +170,44 @@ def test_a_request_s_own_sampling_fields_win_over_the_defaults():
     assert sampling_params({}, 16, defaults={"top_k": 20}).top_k == 15  # never beyond the vocabulary
     p = sampling_params({}, 320)
     assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, 0)
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with mock.patch("mlxmtp.server.cli._load") as load, mock.patch(RUN) as run:
+            res = CliRunner().invoke(main, ["serve", "--port", str(port)])
+    assert res.exit_code != 0 and f"cannot listen on 127.0.0.1:{port}" in res.output
+    load.assert_not_called()
+    run.assert_not_called()
+
+
+SERVE_ON = """
+import sys
+from mlxmtp.models.load import load
+from mlxmtp.server.app import create_app
+from mlxmtp.server.shutdown import run_server
+model, tok = load(sys.argv[1])
+run_server(create_app(model, tok), host="127.0.0.1", port=int(sys.argv[2]), log_level="info", shutdown_timeout=1)
+"""
+
+
+def test_serving_that_cannot_bind_stops_the_engine_and_exits_with_uvicorn_s_code(tmp_path):
+    # The port is taken between the check and the bind: uvicorn's startup failure (3), not
+    # an abort in the interpreter's teardown while the engine thread runs.
+    import socket
+    import subprocess
+    import sys
+
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = subprocess.run([sys.executable, "-c", SERVE_ON, str(path), str(taken.getsockname()[1])],
+                             capture_output=True, text=True, timeout=300)
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert "address already in use" in res.stderr.lower() and "terminate called" not in res.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 
 import click
 
@@ -78,6 +79,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     # Without an explicit --enable-mtp a headless model simply runs without MTP.
     fallback = mtp_fallback or enable_mtp is None
     group = launched_group()
+    if group is None or group.rank() == 0:
+        _check_address(host, port)  # before the (slow) model load, as the API key
     settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
                     pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
@@ -172,6 +175,20 @@ def _follow(m, tok, group, dist_timeout: float, options: dict) -> None:
     serve_tokenizer(tok, text_parts(m).args.vocab_size)  # rank 0's response formats run here too
     log.info("rank %d: following rank 0", group.rank())
     DistributedEngine(m, tok, group=group, dist_timeout=dist_timeout, **options).follow()
+
+
+def _check_address(host: str, port: int) -> None:
+    """Refuse an address serving could not listen on (another server has the port), now
+    rather than after minutes of loading a large model."""
+    if port == 0:  # any free port
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _check_api_key(api_key):
