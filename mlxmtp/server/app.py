@@ -83,9 +83,9 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
-    request leaves unset (None: greedy decoding);
-    request bodies over `max_body_mb` MiB get 413. Any model name is answered (under the
-    name asked for) unless `strict_model_name`: then only the model id and its aliases.
+    request leaves unset (None: greedy decoding); request bodies over `max_body_mb` MiB get
+    413. Any model name is answered (under the name asked for) unless `strict_model_name`:
+    then only the model id and its aliases.
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
     distributed server passes its own)."""
     _materialize(model)
@@ -98,18 +98,14 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     serve_tokenizer(tok, args.vocab_size)  # what response formats are compiled for
     context_length = _context_in_memory(model, mtp_active, context_length or args.max_position_embeddings,
                                         options["memory_bytes"])
-
-    def make_engine():
-        return engine_factory(model, tok, **options)
-
-    bridge = EngineBridge(make_engine, metrics)
+    bridge = EngineBridge(lambda: engine_factory(model, tok, **options), metrics)
     metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
     metrics.watch_memory(lambda: bridge.engine.memory if bridge.engine is not None else None)
     model_id = model_id or "mlxmtp-demo"
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
                         mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
-                        context_length=context_length,
-                        max_prompt_tokens=max_prompt_tokens, aliases=_served_aliases(model_id, aliases),
+                        context_length=context_length, max_prompt_tokens=max_prompt_tokens,
+                        aliases=_served_aliases(model_id, aliases),
                         request_hook=request_hook, strict_model_name=strict_model_name,
                         sampling_defaults=dict(sampling_defaults or {}))
 

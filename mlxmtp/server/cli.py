@@ -92,15 +92,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                                                                    prefix_cache_mb, pipeline_drafts, compile_steps,
                                                                    memory_mb))
     name = model or "mlxmtp-demo"
-    log.info("model: %s", name if model else "packaged demo model (mlxmtp-demo)")
-    if m.active:
-        log.info("MTP head: active (%s, %d layer(s)); draft depth %s", m.source.location if m.source else "?",
-                 max(1, m.info.get("num_layers", 1)), num_draft if num_draft is not None else "adaptive")
-    else:
-        log.info("MTP head: inactive (%s)", m.disabled_reason or "not requested")
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
-
+    _log_start(model, m, num_draft, host, api_key)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
@@ -117,6 +109,18 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 
     log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
     run_server(app, host=host, port=port, log_level=log_level.lower(), shutdown_timeout=shutdown_timeout)
+
+
+def _log_start(model, m, num_draft, host: str, api_key) -> None:
+    """What is served, how, and a warning when anyone on the network could use it."""
+    log.info("model: %s", model if model else "packaged demo model (mlxmtp-demo)")
+    if m.active:
+        log.info("MTP head: active (%s, %d layer(s)); draft depth %s", m.source.location if m.source else "?",
+                 max(1, m.info.get("num_layers", 1)), num_draft if num_draft is not None else "adaptive")
+    else:
+        log.info("MTP head: inactive (%s)", m.disabled_reason or "not requested")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
 
 
 def _sampling_defaults(m, **options) -> dict:

@@ -72,13 +72,15 @@ def run_server(app, *, host: str, port: int, log_level: str, shutdown_timeout: f
     shutdown (the streams are ended and the engine thread is stopped by then)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
     server = GracefulServer(config, app.state.server.bridge, shutdown_timeout)
-    server.run()
+    try:
+        server.run()
+        code = 0 if server.started else STARTUP_FAILURE  # as uvicorn.run
+    except SystemExit as e:  # uvicorn's own startup failure: the address could not be bound
+        code = e.code if isinstance(e.code, int) else STARTUP_FAILURE
     # Exit without the interpreter's teardown: MLX's native threads and static objects
     # are destroyed then, and an engine thread still inside an MLX call at that moment
     # aborts the process ("terminate called without an active exception", exit -6).
-    # That also holds when serving never started (as uvicorn.run: the address could not be
-    # bound, or the app's startup failed), after the lifespan had started the engine.
-    code = 0 if server.started else STARTUP_FAILURE
+    # That holds too when serving never started, after the lifespan had started the engine.
     if code:
         app.state.server.bridge.stop()
     logging.shutdown()
