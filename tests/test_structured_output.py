@@ -6,6 +6,7 @@ The fixture model is random: held to a schema it still writes valid JSON (every 
 chosen among those the grammar allows), which is what is checked, not its content."""
 
 import json
+import math
 
 import mlx.core as mx
 import pytest
@@ -105,8 +106,41 @@ def test_every_api_holds_its_answer_to_the_schema(server, oai, ant):
     assert msg.stop_reason == "end_turn" and valid(json.loads(msg.content[0].text))
 
 
+def test_held_text_may_spell_special_tokens_and_logprobs_stay_finite(server, oai):
+    # "<think>" is one special token of Qwen's vocabulary; in held text it is spelt out,
+    # and the schema holds to the end. Tokens the grammar refused are not among the top
+    # logprobs (their -inf is not JSON).
+    for stream in (False, True):
+        kw = dict(model="m", max_tokens=60, temperature=0, logprobs=True, top_logprobs=5, stream=stream,
+                  messages=[{"role": "user", "content": "x"}],
+                  response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": {"const": "<think>b"}}})
+        if stream:
+            chunks = [c.choices[0] for c in oai.chat.completions.create(**kw) if c.choices]
+            text = "".join(c.delta.content or "" for c in chunks)
+            lps = [e for c in chunks if c.logprobs for e in c.logprobs.content]
+        else:
+            r = oai.chat.completions.create(**kw).choices[0]
+            text, lps = r.message.content, r.logprobs.content
+        assert json.loads(text) == "<think>b"
+        assert lps and all(math.isfinite(e.logprob) and all(math.isfinite(t.logprob) for t in e.top_logprobs)
+                           for e in lps)
+
+
 def test_a_schema_it_cannot_enforce_and_a_forced_call_are_400s(server):
     import httpx
+
+    for path, body, param in [
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": "x"}},
+         "response_format.json_schema"),
+        ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
+        ("/v1/messages", {"max_tokens": 4, "output_config": "x"}, "output_config"),
+        ("/v1/messages", {"max_tokens": 4, "output_config": {"format": {"type": "json_schema"}}},
+         "output_config.format.schema"),
+    ]:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **body}
+        r = httpx.post(server.url + path, timeout=30, json=body)
+        assert r.status_code == 400 and param in r.text, (path, r.text)
 
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={

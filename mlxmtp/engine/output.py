@@ -9,6 +9,7 @@ Text that could still grow into a stop string is held back until it cannot.
 from __future__ import annotations
 
 import logging
+import math
 from typing import List, Optional, Tuple
 
 from .failures import RowFailure, blame
@@ -111,8 +112,9 @@ def _find_stop(text: str, stops: List[str], start: int = 0) -> Optional[Tuple[in
 
 
 def logprob_entry(token: int, table: list, top_n: int) -> dict:
-    """One emitted token's row of a verify.logprob_table -> {"token", "logprob", "top": [(id, lp)]}."""
+    """One emitted token's row of a verify.logprob_table -> {"token", "logprob", "top": [(id, lp)]};
+    tokens a processor ruled out (-inf: a grammar's refused ones) are not among the top."""
     width = (len(table) - 1) // 2
     ids, values = table[1 : 1 + width], table[1 + width :]
     return {"token": token, "logprob": float(table[0]),
-            "top": [(int(i), float(v)) for i, v in zip(ids[:top_n], values[:top_n])]}
+            "top": [(int(i), float(v)) for i, v in zip(ids[:top_n], values[:top_n]) if math.isfinite(v)]}

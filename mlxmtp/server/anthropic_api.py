@@ -112,8 +112,8 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
 
 def _output_format(body: dict) -> Tuple[Optional[dict], str]:
     """Structured outputs: `output_config.format`, or the beta's `output_format`."""
-    config = body.get("output_config")
-    if isinstance(config, dict) and config.get("format") is not None:
+    config = field(body, "output_config", dict)
+    if config is not None and config.get("format") is not None:
         return config["format"], "output_config.format"
     return body.get("output_format"), "output_format"
 

@@ -16,6 +16,8 @@ token after `</think>`.
 
 from __future__ import annotations
 
+import copy
+import json
 from typing import List, Optional
 
 import mlx.core as mx
@@ -35,13 +37,24 @@ def serve_tokenizer(tok, vocab_size: int) -> None:
 
 
 def _ll_tokenizer():
-    """llguidance's view of the served tokenizer, made on first use (~1 s for 250K tokens)."""
-    import llguidance.hf  # on use: only requests with a format need it
+    """llguidance's view of the served tokenizer, made on first use (~1 s for 250K tokens).
+
+    Built from the tokenizer's JSON as llguidance.hf.from_tokenizer builds it, less the
+    added tokens that are not special (Qwen's <think>, <tool_call>, ...): llguidance takes
+    every added token as a special one, which its mask may offer where a schema's text
+    spells the tag and its matcher then refuses, leaving the rest unheld. Without them held
+    text spells such a tag byte by byte, and the model never writes the token itself there."""
+    from llguidance import LLTokenizer  # on use: only requests with a format need it
 
     if _MODEL.get("compiled") is None:
         tok = _MODEL["tok"]
-        _MODEL["compiled"] = llguidance.hf.from_tokenizer(
-            tok._tokenizer, n_vocab=_MODEL["vocab_size"], eos_token=sorted(tok.eos_token_ids))
+        backend = copy.copy(tok._tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        spec = json.loads(backend.to_str())
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
+        _MODEL["compiled"] = LLTokenizer(json.dumps(spec), n_vocab=_MODEL["vocab_size"],
+                                         eos_token=sorted(tok.eos_token_ids))
     return _MODEL["compiled"]
 
 
@@ -60,11 +73,15 @@ def requested_schema(fmt, where: str) -> Optional[dict]:
     if kind != "json_schema":
         raise APIError(400, f"'{where}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                        param=f"{where}.type")
-    inner, path = (fmt["json_schema"], f"{where}.json_schema") if isinstance(fmt.get("json_schema"), dict) \
-        else (fmt, where)  # chat completions nests it; Responses and Anthropic do not
-    schema = inner.get("schema", {"type": "object"})
+    if where == "response_format":  # chat completions nests it, its schema optional (any object)
+        inner = fmt.get("json_schema")
+        if not isinstance(inner, dict):
+            raise APIError(400, f"'{where}.json_schema' must be an object", param=f"{where}.json_schema")
+        where, schema = f"{where}.json_schema", inner.get("schema", {"type": "object"})
+    else:  # Responses and Anthropic: flat, schema required
+        schema = fmt.get("schema")
     if not isinstance(schema, dict):
-        raise APIError(400, f"'{path}.schema' must be a JSON schema object", param=f"{path}.schema")
+        raise APIError(400, f"'{where}.schema' must be a JSON schema object", param=f"{where}.schema")
     return schema
 
 
