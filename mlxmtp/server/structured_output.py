@@ -143,7 +143,7 @@ class GrammarProcessor:
         self.consumed: List[int] = []
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
-        held = self._held(context.tolist()[self.prompt_len:])
+        held = self._held(context[self.prompt_len :].tolist())  # not the prompt: it may be 100K tokens
         if held is None or not self._reach(held):
             return logits
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
