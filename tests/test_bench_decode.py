@@ -175,3 +175,25 @@ def test_graph_ops_bench_counts_sampled_batches(fixture_model):
     tempered, filtered, penalty = (bench.batch_ops_per_cycle(model, tok, prompts, 4, params, 3, steps=4)
                                    for _, params in bench.BATCH_PARAMS)
     assert 0 < tempered < filtered < penalty and filtered - tempered < 0.2 * tempered
+
+
+def test_structured_output_bench_holds_every_side_to_the_same_tokens(fixture_model):
+    """bench/structured_output.py: mlx-lm's held decoding and every mlxmtp side decode the
+    same held tokens (the ratios compare equal work)."""
+    import mlx_lm
+
+    bench = _bench_module("structured_output")
+    from mlxmtp.models.load import load
+    from mlxmtp.server.structured_output import grammar_for, serve_tokenizer
+
+    path = str(fixture_model("qwen3_5")["hf"])
+    model, tok = load(path)
+    ref, _ = mlx_lm.load(path)
+    serve_tokenizer(tok, model.parts.args.vocab_size)
+    grammar = grammar_for(bench.SCHEMA, "bench")
+    prompt = list(range(3, 40))
+    gen, _ = bench.mlx_lm_side(ref, tok, prompt, 40, grammar)
+    want = sum(n for n in gen if n is not None)
+    for _, k in bench.SETTINGS[:4]:
+        gen, engine = bench.mlxmtp_side(model, tok, prompt, 40, grammar, k)
+        assert sum(n for n in gen if n is not None) == want and engine is not None
