@@ -366,3 +366,15 @@ def test_a_batch_of_filtered_rows_is_drafted_and_decided_by_one_set_of_ops():
     # A second group adds one set more, and the gathers and writes of both groups' rows.
     assert pick8b - pick8 < 1.5 * pick1 and accept8b - accept8 < accept1, (pick1, pick8, pick8b, accept1, accept8b)
 
+
+
+def test_a_row_s_context_array_follows_its_tokens():
+    # Processors see the row's tokens as an array, kept and extended from cycle to cycle
+    # (an agent's context converted anew each cycle would cost milliseconds).
+    s = RowSampler(SamplingParams())
+    tokens = list(range(50))
+    first = s.context(tokens)
+    assert s.context(tokens) is first  # nothing new: the same array
+    tokens += [7, 8, 9]
+    assert s.context(tokens).tolist() == tokens
+    assert s.context(tokens[:10]).tolist() == tokens[:10]  # shorter (another row's list): made anew

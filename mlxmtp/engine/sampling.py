@@ -184,6 +184,7 @@ class RowSampler:
         # one call per group of equal settings (`filter_groups`).
         self.filter_key = (params.temperature, params.top_p, params.min_p, params.top_k)
         self._inv_temps = inverse_temperatures([self])
+        self._context: Optional[mx.array] = None  # see `context`
 
     def next_key(self):
         self.key, sub = mx.random.split(self.key)
@@ -191,6 +192,17 @@ class RowSampler:
 
     def _next_keys(self, n: int) -> mx.array:
         return mx.stack([self.next_key() for _ in range(n)])
+
+    def context(self, tokens: List[int]) -> mx.array:
+        """The row's tokens so far (they only grow) as an array for its processors: kept from
+        cycle to cycle and extended by the new tokens, as converting an agent's 100K-token
+        context from a list each cycle would take milliseconds of host time."""
+        have = None if self._context is None else self._context.shape[0]
+        if have is None or have > len(tokens):
+            self._context = mx.array(tokens, dtype=mx.int32)
+        elif have < len(tokens):
+            self._context = mx.concatenate([self._context, mx.array(tokens[have:], dtype=mx.int32)])
+        return self._context
 
     def process(self, logits: mx.array, contexts: Sequence[mx.array]) -> mx.array:
         """logits [T, V] -> processed logits; row t sees the tokens in contexts[t]."""

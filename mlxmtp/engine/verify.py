@@ -157,7 +157,7 @@ def _prepare_row(meta: VerifyMetadata, b: int, lg: mx.array):
     numbers (rejection_sampler.row_noise); None where the row is greedy)."""
     s, drafts, k = meta.samplers[b], meta.drafts[b], meta.num_drafts
     if s.procs:
-        base = mx.array(meta.contexts[b], dtype=mx.int32)
+        base = s.context(meta.contexts[b])
         lg = s.process(lg, [mx.concatenate([base, drafts[:j]]) for j in range(k + 1)])
     if s.params.greedy:
         return lg, None, None
@@ -242,7 +242,7 @@ def _vectorised_picker(samplers: List[RowSampler]):
 def _pick_row(s: RowSampler, context: List[int], logits: mx.array, so_far: mx.array):
     """One draft of one row from the head's logits [1, V]: (token, q log-probs or None)."""
     if s.procs:
-        ctx = mx.concatenate([mx.array(context, dtype=mx.int32), so_far])
+        ctx = mx.concatenate([s.context(context), so_far])
         logits = s.process(logits, [ctx])
     if s.params.greedy:
         return mx.argmax(logits, axis=-1)[0], None
@@ -255,7 +255,7 @@ def sample_first(row: Row, logits: mx.array) -> int:
     keeps its logprob table in row.first_lp when the request asked for logprobs."""
     lg = logits
     if row.sampler.procs:
-        lg = row.sampler.process(lg, [mx.array(row.tokens, dtype=mx.int32)])
+        lg = row.sampler.process(lg, [row.sampler.context(row.tokens)])
     if row.sampler.params.greedy:
         tok = mx.argmax(lg, axis=-1)
     else:
