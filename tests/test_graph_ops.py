@@ -123,3 +123,26 @@ def test_verify_evaluates_what_mlx_lm_forward_does(fixture_model, family, shape_
                 c.trim(T)
         for c in adapter.attention_caches(cache):
             c.trim_rows([T])
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_thinking_budget_far_from_reached_costs_nothing(fixture_model, k):
+    # Every Claude Code request carries a thinking budget: a processor that leaves logits
+    # untouched until the budget is near. Till then the row takes the paths of a row with
+    # no processor (vectorised, pipelined), with the same tokens and the same operations.
+    from mlxmtp.engine.generate import stream_generate
+    from mlxmtp.engine.sampling import SamplingParams
+    from mlxmtp.server.thinking_budget import budget_processor
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompt = prompt_of(20, seed=3)
+    runs = []
+    for procs in ([], [budget_processor(len(prompt), 500, 1, 2, starts_inside=True)]):
+        engine = BatchGenerator(model, tok, num_draft=k)
+        got = []
+        with OpCounter() as ops:
+            for ev in stream_generate(model, tok, prompt, max_tokens=TOKENS, engine=engine,
+                                      params=SamplingParams(logits_processors=procs)):
+                got += ev.token_ids
+        runs.append((got, ops.kernels))
+    assert runs[0] == runs[1]

@@ -190,7 +190,7 @@ class BatchGenerator:
         # Pipelined: queued on the device, read in the next step after the next cycle is
         # queued (logits processors need each token on the host; drafting cycles only
         # with `pipeline_drafts`).
-        pipelined = all(not r.sampler.procs for r in self.rows) and (k == 0 or self.pipeline_drafts)
+        pipelined = all(not r.sampler.live(len(r.tokens)) for r in self.rows) and (k == 0 or self.pipeline_drafts)
         prev = self._inflight
         if prev is not None and not (pipelined and (prev.k > 0) == (k > 0)):
             self._drain(events)

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..mlxlm.sampling import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from .limits import MAX_DRAFT_DEPTH
 
 
 @dataclass
@@ -170,6 +171,11 @@ def inverse_temperatures(samplers: Sequence["RowSampler"]) -> mx.array:
                     dtype=mx.float32)
 
 
+# The most tokens beyond a row's own that a context of a cycle built on it holds: a cycle
+# not read yet (its drafts and bonus token) and this cycle's drafts.
+CYCLE_REACH = 2 * (MAX_DRAFT_DEPTH + 1)
+
+
 class RowSampler:
     """Sampling state of one request: its processors, filters and random key."""
 
@@ -185,6 +191,15 @@ class RowSampler:
         self.filter_key = (params.temperature, params.top_p, params.min_p, params.top_k)
         self._inv_temps = inverse_temperatures([self])
         self._context: Optional[mx.array] = None  # see `context`
+
+    def live(self, length: int) -> List[Callable]:
+        """The processors that may change a distribution of a cycle built on a row of
+        `length` tokens. One that leaves logits untouched below a context length (its
+        `idle_below`: a thinking budget far from reached) is left out while no context of
+        the cycle reaches it, drafts and a cycle not read yet included, so such a row is
+        drafted, decided and pipelined with the rows that have none."""
+        reach = length + CYCLE_REACH
+        return [p for p in self.procs if reach >= getattr(p, "idle_below", 0)]
 
     def next_key(self):
         self.key, sub = mx.random.split(self.key)

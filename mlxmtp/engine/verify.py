@@ -81,12 +81,12 @@ class VerifyMetadata:
 
     @property
     def all_greedy(self) -> bool:
-        return _plain_greedy(self.samplers)
+        return _plain_greedy(self.samplers, self.contexts)
 
 
-def _plain_greedy(samplers: List[RowSampler]) -> bool:
-    """Every row greedy and without logits processors: one batched argmax decides them all."""
-    return all(s.params.greedy and not s.procs for s in samplers)
+def _plain_greedy(samplers: List[RowSampler], contexts: List[List[int]]) -> bool:
+    """Every row greedy and without live logits processors: one batched argmax decides them all."""
+    return all(s.params.greedy and not s.live(len(c)) for s, c in zip(samplers, contexts))
 
 
 def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
@@ -101,7 +101,7 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
             kept, tokens = rules(meta.rule, meta.compiled)[0](logits, meta.drafts)
         tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
         return kept, tokens.astype(mx.int32), tables
-    if not any(sm.procs for sm in meta.samplers):
+    if not any(sm.live(len(c)) for sm, c in zip(meta.samplers, meta.contexts)):
         return _accept_vectorised(meta, logits)
     lg, p_rows, noise = [], [], []
     for b in range(B):  # each row's own code: processors, its p and random numbers
@@ -156,7 +156,7 @@ def _prepare_row(meta: VerifyMetadata, b: int, lg: mx.array):
     sampled row: with k = 0 its drawn token, else its p log-probabilities; and its random
     numbers (rejection_sampler.row_noise); None where the row is greedy)."""
     s, drafts, k = meta.samplers[b], meta.drafts[b], meta.num_drafts
-    if s.procs:
+    if s.live(len(meta.contexts[b])):
         base = s.context(meta.contexts[b])
         lg = s.process(lg, [mx.concatenate([base, drafts[:j]]) for j in range(k + 1)])
     if s.params.greedy:
@@ -200,9 +200,9 @@ def picker(samplers: List[RowSampler], contexts: List[List[int]], request_ids: L
     """`draft_picker` for rows given by their samplers, contexts (tokens so far: what their
     processors see) and the requests their failures are blamed on. A pick returns the
     drafts [B] and the log-probabilities [B, V] they were drawn from (None: all greedy)."""
-    if _plain_greedy(samplers):
+    if _plain_greedy(samplers, contexts):
         return lambda step, logits, so_far: (mx.argmax(logits, axis=-1), None)
-    if not any(s.procs for s in samplers):
+    if not any(s.live(len(c)) for s, c in zip(samplers, contexts)):
         return _vectorised_picker(samplers)
 
     def pick(step, logits, so_far):
@@ -241,7 +241,7 @@ def _vectorised_picker(samplers: List[RowSampler]):
 
 def _pick_row(s: RowSampler, context: List[int], logits: mx.array, so_far: mx.array):
     """One draft of one row from the head's logits [1, V]: (token, q log-probs or None)."""
-    if s.procs:
+    if s.live(len(context)):
         ctx = mx.concatenate([s.context(context), so_far])
         logits = s.process(logits, [ctx])
     if s.params.greedy:
@@ -254,7 +254,7 @@ def sample_first(row: Row, logits: mx.array) -> int:
     """A row's first token, from the prompt's last logits [1, V] (as in plain decoding);
     keeps its logprob table in row.first_lp when the request asked for logprobs."""
     lg = logits
-    if row.sampler.procs:
+    if row.sampler.live(len(row.tokens)):
         lg = row.sampler.process(lg, [row.sampler.context(row.tokens)])
     if row.sampler.params.greedy:
         tok = mx.argmax(lg, axis=-1)

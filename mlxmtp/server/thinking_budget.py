@@ -54,6 +54,9 @@ def budget_processor(prompt_len: int, budget: int, start_id: int, end_id: int,
         forced = mx.where(mx.arange(logits.shape[-1]) == end_id, 0.0, -1e9).astype(logits.dtype)
         return mx.where(hit, forced, logits)
 
+    # Untouched logits below this context length: the engine leaves it out until a cycle
+    # could reach it (RowSampler.live), so the row takes the engine's fast paths till then.
+    proc.idle_below = prompt_len + budget
     # How another rank of a distributed server rebuilds it (distributed/wire.py).
     proc.recipe = ("mlxmtp.server.thinking_budget:budget_processor",
                    [prompt_len, budget, start_id, end_id, starts_inside])
