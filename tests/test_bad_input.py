@@ -128,6 +128,8 @@ CASES = [
     (("/v1/chat/completions", b"[" * 100000 + b"]" * 100000), 400, "JSON"),
     (("/v1/chat/completions", b'{"model": "fixture", "messages": [{"role": "user", "content": "' + b"x" * (2**20 + 10)
       + b'"}]}'), 413, "MiB"),
+    (completion(best_of=2), 400, "best_of"),
+    (completion(suffix="\n    return x"), 400, "suffix"),
     (completion(prompt=[-1, 5]), 400, "prompt[0]"),
     (completion(prompt=[5, V]), 400, "prompt[1]"),
     (completion(prompt=[2**70]), 400, "prompt[0]"),

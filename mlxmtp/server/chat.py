@@ -190,10 +190,11 @@ def place_system(tok, messages: List[Message]) -> List[Message]:
 
 def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
            enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
-           continue_final: bool = False) -> Tuple[List[int], str, bool]:
+           continue_final: bool = False, param: str = "messages") -> Tuple[List[int], str, bool]:
     """-> (prompt ids, prompt text, whether generation starts inside <think>). With
     `continue_final` the last (assistant) message is left open, so generation continues it
-    (a prefilled answer) instead of starting a new turn."""
+    (a prefilled answer) instead of starting a new turn. `param`: the field a template's
+    refusal names (the Responses API's conversation is `input`)."""
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
     kwargs = dict(template_kwargs or {})
@@ -207,7 +208,7 @@ def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
     try:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja raise_exception etc. mean a bad conversation
-        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
+        raise APIError(400, f"the chat template rejected these messages: {e}", param=param) from e
     ids = tok.encode(text, add_special_tokens=False)
     return ids, text, starts_in_thinking(text)
 
@@ -235,19 +236,19 @@ class Prompt:
 
 def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = None,
                  enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
-                 tool_choice: Optional[str] = None, continue_final: bool = False) -> Prompt:
+                 tool_choice: Optional[str] = None, continue_final: bool = False, param: str = "messages") -> Prompt:
     """The prompt a request prefills. tool_choice 'required' or a tool's name (with tools)
     forces a call: the turn starts with the tool-call opening, after an empty think block
     where the template would open one (a forced call is the whole turn). `continue_final`:
     see `render`."""
-    ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs, continue_final)
+    ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs, continue_final, param)
     if not tools or tool_choice in (None, "auto", "none"):
         return Prompt(ids, text, in_think, continues=continue_final)
     if continue_final:
         raise APIError(400, "a forced tool call starts a new turn: it cannot continue a prefilled "
                             "assistant message", param="tool_choice")
     if in_think:
-        _, text, in_think = render(tok, messages, tools, False, template_kwargs)
+        _, text, in_think = render(tok, messages, tools, False, template_kwargs, param=param)
         if in_think:  # no enable_thinking switch in this template: close the block ourselves
             text += "\n" + THINK_END + "\n\n"
     opening = tool_call_opening(tok, None if tool_choice == "required" else tool_choice)

@@ -297,6 +297,10 @@ def _prepare_completion(state, raw: bytes) -> Tuple[Generation, CompletionReply]
     _check_n(body)
     if field(body, "echo", bool, default=False):
         raise APIError(400, "echo is not supported", param="echo")
+    if field(body, "best_of", int, default=1, minimum=1) != 1:
+        raise APIError(400, "only best_of=1 is supported", param="best_of")
+    if field(body, "suffix", str):
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     lp_n = field(body, "logprobs", int, minimum=0, maximum=5)
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
