@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mlxmtp.server.anthropic_input import anthropic_messages, anthropic_tools
-from mlxmtp.server.chat import encode_prompt, openai_messages, place_system, render
+from mlxmtp.server.chat import build_prompt, encode_prompt, openai_messages, place_system, render
 from mlxmtp.server.errors import APIError, anthropic_error_body, openai_error_body
 from mlxmtp.server.reasoning import OutputSplitter, split_all, starts_in_thinking
 from mlxmtp.server.tool_parsers import ToolParseError, parse_tool_call
@@ -55,6 +55,19 @@ def test_an_xml_call_parses_whatever_schema_its_tool_has(schema):
     for tools in ([{"type": "function", "function": {"name": "f", "parameters": schema}}],
                   [{"name": "f", "input_schema": schema}]):
         assert parse_tool_call(call, tools)["arguments"]["a"] in ("1", 1)
+
+
+def test_a_template_s_refusal_names_the_api_s_own_field():
+    class Refusing:
+        chat_template = "{{ raise_exception('no') }}"
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("no")
+
+    for param in ("messages", "input"):
+        with pytest.raises(APIError) as e:
+            build_prompt(Refusing(), [{"role": "user", "content": "x"}], param=param)
+        assert e.value.status == 400 and e.value.param == param
 
 
 # ------------------------------------------------------------------ splitter
