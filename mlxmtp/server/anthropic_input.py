@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, List, Optional
 
-from .chat import Message, check_schema
+from .chat import Message, check_schema, left_out
 from .errors import APIError
 
 
@@ -41,7 +41,7 @@ def _block_text(b: dict, where: str) -> str:
         raise APIError(400, f"{where}: {kind} blocks need a 'source' object")
     text = _document_text(b.get("source")) if kind == "document" else None
     if text is None:
-        return f"[{kind} omitted: this server reads text only]"
+        return left_out(kind)
     return f"{b['title']}\n\n{text}" if isinstance(b.get("title"), str) and b["title"] else text
 
 

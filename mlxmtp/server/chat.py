@@ -25,6 +25,12 @@ Message = Dict[str, Any]
 _MEDIA_PARTS = ("image_url", "input_audio", "file")
 
 
+def left_out(kind: str) -> str:
+    """What the model reads in place of a picture, audio or a file (every API): the models
+    served read text only, and a conversation an agent resends every turn must still run."""
+    return f"[{kind} omitted: this server reads text only]"
+
+
 def _text_of(content: Any, where: str) -> str:
     """OpenAI content: a string, null, or a list of parts (text only)."""
     if content is None:
@@ -44,8 +50,7 @@ def _text_of(content: Any, where: str) -> str:
                 kind = part["type"]
                 if not isinstance(part.get(kind), dict):
                     raise APIError(400, f"{where}: a {kind} part needs a '{kind}' object", param="messages")
-                # The models served read text only; the conversation (resent every turn) still runs.
-                texts.append(f"[{kind} omitted: this server reads text only]")
+                texts.append(left_out(kind))
             elif isinstance(part, dict):
                 raise APIError(400, f"{where}: content parts of type {part.get('type')!r} are not supported "
                                     "(text only)", param="messages")

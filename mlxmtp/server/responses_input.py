@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional
 
-from .chat import tool_arguments
+from .chat import left_out, tool_arguments
 from .errors import APIError
 from .validation import field
 
@@ -61,9 +61,7 @@ def _text(content, where: str, *, tool_output: bool = False) -> str:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         elif kind in _MEDIA_PARTS or (tool_output and isinstance(kind, str)):
-            # The models served read text only: a picture a user attached once stays in
-            # every later turn of the session, which must still run.
-            texts.append(f"[{kind} omitted: this server reads text only]")
+            texts.append(left_out(kind))
         else:
             raise bad(f"'{pw}.type' {kind!r} is not supported (text parts only: input_text, output_text)",
                        f"{pw}.type")
