@@ -5,9 +5,10 @@ splitter holds back any tail that could still become `<think>`, `</think>`,
 `<tool_call>` or `</tool_call>`, and newlines that would only pad a section boundary
 (the templates write `<think>\n`, `\n</think>\n\n` and `\n<tool_call>`, and strip
 those newlines again when a turn comes back). Spaces are never dropped: an indented
-first line of code keeps its indentation, and text cut by a stop string ends as it did. Tags never reach the client: `<think>...</think>` becomes reasoning, and a
-complete `<tool_call>...</tool_call>` becomes one parsed call (or, if it does not
-parse, plain content so nothing is lost).
+first line of code keeps its indentation, and text cut by a stop string ends as it did.
+Tags never reach the client: `<think>...</think>` becomes reasoning, and a complete
+`<tool_call>...</tool_call>` becomes one parsed call (or, if it does not parse, plain
+content so nothing is lost).
 
 When the prompt's generation prefix already opened `<think>` (Qwen3.5/3.6 with
 enable_thinking), the output starts inside the reasoning: `in_thinking=True`. When the
