@@ -251,7 +251,8 @@ def test_one_tool_call_when_parallel_calls_are_off(server, oai, ant):
     assert [json.loads(i["arguments"])["city"] for i in resp["output"]] == ["Paris"]
     for disable, cities in ((False, ["Paris", "Oslo"]), (True, ["Paris"])):
         m = ant.messages.create(model=MODEL, max_tokens=200, tools=ANTHROPIC_TOOLS, messages=[
-            {"role": "user", "content": "FORCE:twocalls"}], tool_choice={"type": "auto", "disable_parallel_tool_use": disable})
+            {"role": "user", "content": "FORCE:twocalls"}],
+            tool_choice={"type": "auto", "disable_parallel_tool_use": disable})
         assert m.stop_reason == "tool_use" and m.stop_sequence is None
         assert [b.input["city"] for b in m.content if b.type == "tool_use"] == cities
 
