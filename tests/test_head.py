@@ -3,6 +3,7 @@ math, loads identically from HF tensors and from an `mtp/` folder, leaves the mo
 logits untouched, and refuses broken heads with clear messages."""
 
 import json
+import logging
 import shutil
 
 import mlx.core as mx
@@ -232,3 +233,22 @@ def test_pre_norm_switch_feeds_the_backbone_input_of_the_final_norm(fixture_mode
     a = generate(pre, tok, prompt, max_tokens=30, num_draft=2).token_ids
     b = generate(post, tok, prompt, max_tokens=30, enable_mtp=False).token_ids
     assert a == b
+
+
+def test_load_wires_the_recommended_working_set_where_the_device_has_one(fixture_model, monkeypatch, caplog):
+    # Apple GPUs report a recommended working set; mlx-lm's server and generate wire it so
+    # that macOS keeps a large model's weights resident. The CPU and CUDA report none.
+    caplog.set_level(logging.WARNING, logger="mlxmtp")
+    path = str(fixture_model("qwen3_5")["hf"])
+    wired = []
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: wired.append(n) or 0)
+    load(path)
+    assert wired == [] and "max_recommended_working_set_size" not in mx.device_info()
+    real_info = mx.device_info
+    for size, warned in ((64 << 30, False), (1 << 19, True)):  # the fixture's weights: ~0.8 MiB
+        monkeypatch.setattr(mx, "device_info", lambda size=size: {**real_info(),
+                                                                   "max_recommended_working_set_size": size})
+        caplog.clear()
+        load(path)
+        assert wired[-1] == size
+        assert ("close to the device's recommended working set" in caplog.text) == warned, caplog.text

@@ -211,3 +211,34 @@ def test_serving_that_cannot_bind_stops_the_engine_and_exits_with_uvicorn_s_code
                              capture_output=True, text=True, timeout=300)
     assert res.returncode == 3, res.stderr[-2000:]
     assert "address already in use" in res.stderr.lower() and "terminate called" not in res.stderr
+
+
+def test_chat_template_options_reach_the_app(tmp_path):
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ '<go>' if add_generation_prompt }}"
+    (tmp_path / "t.jinja").write_text(template)
+    for value in (str(tmp_path / "t.jinja"), template):
+        with mock.patch(RUN) as run:
+            res = CliRunner().invoke(main, ["serve", "--model", str(path), "--chat-template", value,
+                                            "--chat-template-args", '{"enable_thinking": false, "x": 1}'])
+        assert res.exit_code == 0, res.output
+        state = run.call_args.args[0].state.server
+        assert state.tok.chat_template == template
+        assert state.chat_template_args == {"enable_thinking": False, "x": 1}
+        assert state.tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True) == "<user>hi<go>"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chat-template", "templates/qwen.jinja"], "neither a file nor a Jinja template"),
+    (["--chat-template-args", "{enable_thinking: false}"], "not JSON"),
+    (["--chat-template-args", "[1]"], "must be a JSON object"),
+    (["--chat-template-args", '{"add_generation_prompt": false}'], "add_generation_prompt: set by the server"),
+    (["--chat-template-args", '{"enable_thinking": "no"}'], "enable_thinking must be true or false"),
+])
+def test_bad_chat_template_options_are_refused_before_loading(args, message):
+    with mock.patch("mlxmtp.models.load.load") as load, mock.patch(RUN) as run:
+        res = CliRunner().invoke(main, ["serve", *args])
+    assert res.exit_code == 2 and message in res.output, res.output
+    load.assert_not_called()
+    run.assert_not_called()

@@ -79,16 +79,19 @@ def server(start_server, server_model):
     return _serve(start_server, server_model[1], aliases=["my-alias"])
 
 
-@pytest.fixture(scope="module")
-def qwen35(start_server, tmp_path_factory):
+def _qwen35_tokenizer(tmp_path_factory):
     """A Qwen3.5-like template: opens <think> in the generation prompt, and takes a system
     message only first."""
     from mlx_lm.tokenizer_utils import load as load_tok
 
-    path = write_tokenizer(tmp_path_factory.mktemp("tok35"))
-    tok = load_tok(path)
+    tok = load_tok(write_tokenizer(tmp_path_factory.mktemp("tok35")))
     tok._tokenizer.chat_template = CHAT_TEMPLATE.replace(*OPENS_THINK).replace(*SYSTEM_FIRST_ONLY)
-    return _serve(start_server, tok)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen35(start_server, tmp_path_factory):
+    return _serve(start_server, _qwen35_tokenizer(tmp_path_factory))
 
 
 def clients(srv):
@@ -228,6 +231,40 @@ def test_count_tokens_is_the_prefill(server, qwen35):
             m = ant.messages.create(model="m", max_tokens=1, **kw, **extra)
             assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens == \
                 len(srv.hook.tok.encode(srv.hook.prompts[-1], add_special_tokens=False))
+
+
+def test_the_server_s_template_variables_hold_unless_a_request_sets_its_own(start_server, qwen35, tmp_path_factory):
+    # `serve --chat-template-args '{"enable_thinking": false}'`: agents send no template
+    # variables (Claude Code's main turns ask for 'adaptive' thinking: the server decides).
+    quiet = _serve(start_server, _qwen35_tokenizer(tmp_path_factory), chat_template_args={"enable_thinking": False})
+    user = [{"role": "user", "content": "hi"}]
+    asks = {
+        "chat": lambda oai, ant, **kw: oai.chat.completions.create(model="m", max_tokens=1, messages=user, **kw),
+        "responses": lambda oai, ant, **kw: oai.responses.create(model="m", max_output_tokens=1, input="hi", **kw),
+        "messages": lambda oai, ant, **kw: ant.messages.create(model="m", max_tokens=1, messages=user, **kw),
+    }
+    cases = [("chat", {}), ("chat", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}),
+             ("chat", {"extra_body": {"enable_thinking": True}}),
+             ("responses", {}), ("responses", {"reasoning": {"effort": "high"}}),
+             ("messages", {}), ("messages", {"thinking": {"type": "adaptive"}}),
+             ("messages", {"thinking": {"type": "enabled", "budget_tokens": 100}}),
+             ("messages", {"thinking": {"type": "disabled"}})]
+    opens = {}
+    for name, srv in (("default", qwen35), ("quiet", quiet)):
+        oai, ant = clients(srv)
+        for api, kw in cases:
+            asks[api](oai, ant, **kw)
+            prompt = srv.hook.prompts[-1]
+            assert prompt.endswith(("<think>\n", "<think>\n\n</think>\n\n")), prompt
+            opens[name, api, json.dumps(kw)] = prompt.endswith("<think>\n")
+    # In the order of `cases`: thinking opens where the request asks for it, else as the
+    # server says (the template's default: open).
+    assert [opens["quiet", api, json.dumps(kw)] for api, kw in cases] == [0, 1, 1, 0, 1, 0, 0, 1, 0]
+    assert [opens["default", api, json.dumps(kw)] for api, kw in cases] == [1, 1, 1, 1, 1, 1, 1, 1, 0]
+    _, ant = clients(quiet)
+    m = ant.messages.create(model="m", max_tokens=1, messages=user, thinking={"type": "adaptive"})
+    n = ant.messages.count_tokens(model="m", messages=user, thinking={"type": "adaptive"}).input_tokens
+    assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
 def test_a_prefilled_answer_is_continued(server, qwen35):

@@ -16,13 +16,27 @@ from .pipeline import split_backbone
 from .token_text import exact_text
 
 
-def load(model_dir: Path, lazy: bool = False):
-    """(model, tokenizer) of a local MLX or HF folder, as `mlx_lm.load` makes them."""
+def load(model_dir: Path, lazy: bool = False, tokenizer_config: Optional[dict] = None):
+    """(model, tokenizer) of a local MLX or HF folder, as `mlx_lm.load` makes them.
+    `tokenizer_config`: extra tokenizer settings, e.g. {"chat_template": ...}."""
     # mlx-lm on use (see the module docstring)
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy)
+    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy, tokenizer_config=tokenizer_config)
     return model, exact_text(tokenizer)
+
+
+def wire_recommended_memory() -> Optional[int]:
+    """Keep memory up to the device's recommended working set resident (wired), as mlx-lm's
+    server and `generate` do: on Apple GPUs macOS may otherwise page a large model's
+    weights out between requests. A no-op where the device reports no recommended working
+    set (the CPU, CUDA); -> that size, or None."""
+    # mlx-lm on use (see the module docstring)
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    if maybe_set_recommended_wired_limit() is None:
+        return None
+    return mx.device_info()["max_recommended_working_set_size"]
 
 
 def load_model(model_dir: Path, lazy: bool = True):
@@ -41,14 +55,15 @@ def load_config(model_dir: Path) -> dict:
     return _load_config(Path(model_dir))
 
 
-def load_tokenizer(model_dir: Path, eos_token_ids: Optional[list] = None):
+def load_tokenizer(model_dir: Path, eos_token_ids: Optional[list] = None, tokenizer_config: Optional[dict] = None):
     # mlx-lm on use (see the module docstring)
     from mlx_lm.utils import load_tokenizer as _load_tokenizer
 
-    return exact_text(_load_tokenizer(Path(model_dir), eos_token_ids=eos_token_ids))
+    return exact_text(_load_tokenizer(Path(model_dir), tokenizer_config_extra=tokenizer_config,
+                                      eos_token_ids=eos_token_ids))
 
 
-def load_pipelined(model_dir: Path, group, split, strict: bool = True):
+def load_pipelined(model_dir: Path, group, split, strict: bool = True, tokenizer_config: Optional[dict] = None):
     """(model, tokenizer) holding only this rank's layers of a pipeline split (pipeline.py):
     the model is built lazily, the other ranks' layers are dropped, and only then are the
     weights read, so a rank's memory is its share. strict=False when the folder holds this
@@ -59,4 +74,5 @@ def load_pipelined(model_dir: Path, group, split, strict: bool = True):
     model, config = _load_model(Path(model_dir), lazy=True, strict=strict)
     split_backbone(text_parts(model).backbone, group, split)
     mx.eval(model.parameters())
-    return model, load_tokenizer(Path(model_dir), eos_token_ids=config.get("eos_token_id"))
+    return model, load_tokenizer(Path(model_dir), eos_token_ids=config.get("eos_token_id"),
+                                 tokenizer_config=tokenizer_config)

@@ -239,7 +239,7 @@ def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Pa
 
 def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
          hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False,
-         draft_vocab: int = 0, draft_vocab_file=None, pipeline=None):
+         draft_vocab: int = 0, draft_vocab_file=None, pipeline=None, chat_template: Optional[str] = None):
     """(MTPModel, tokenizer): the model and tokenizer as mlx-lm loads them, with the MTP head.
 
     mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
@@ -248,14 +248,19 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     list (`mtp/draft_vocab.json`, or `draft_vocab_file`); vocabularies over 64K only.
     pipeline=(group, split, strict): load only this rank's layers of a pipeline split
     (distributed/load.py); the head and everything outside the layers load on every rank.
+    chat_template: a Jinja template used instead of the tokenizer's own.
+    Memory up to the device's recommended working set is wired first (Apple GPUs).
     """
     if path_or_hf_id is None:
         path_or_hf_id = str(demo_model_path())
     model_dir = resolve_model_path(str(path_or_hf_id), revision)
+    wired = loading.wire_recommended_memory()
+    tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
     if pipeline is not None:
-        model, tokenizer = loading.load_pipelined(model_dir, *pipeline)
+        model, tokenizer = loading.load_pipelined(model_dir, *pipeline, tokenizer_config=tokenizer_config)
     else:
-        model, tokenizer = loading.load(model_dir, lazy=lazy)
+        model, tokenizer = loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config)
+    _warn_if_beyond_wired(model, wired)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
         mtp_model = attach_mtp(model, model_dir, hidden_state=hidden_state, required=not mtp_fallback,
@@ -270,6 +275,16 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
         log.warning("draft vocabulary of %d tokens ignored: MTP is off", draft_vocab)
     mtp_model.model_dir = Path(model_dir)
     return mtp_model, tokenizer
+
+
+def _warn_if_beyond_wired(model: nn.Module, wired: Optional[int]) -> None:
+    """mlx-lm's warning: weights near the recommended working set leave the caches little
+    room, and decoding slows down as memory is swapped."""
+    weights = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    if wired and weights > 0.9 * wired:
+        log.warning("the model's weights take %d MiB, close to the device's recommended working set of "
+                    "%d MiB: decoding may be slow (see mlx-lm's notes on large models)",
+                    weights >> 20, wired >> 20)
 
 
 def inspect_model(path_or_hf_id: str) -> dict:

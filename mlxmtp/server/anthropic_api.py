@@ -57,7 +57,9 @@ def _tool_id() -> str:
 
 # ------------------------------------------------------------------ request
 def _thinking(body: dict) -> Tuple[Optional[bool], Optional[int]]:
-    """-> (enable_thinking for the template, None: its default; the reasoning budget or None)."""
+    """-> (enable_thinking for the template, None: the server's default; the reasoning budget
+    or None). 'adaptive' (Claude Code's main turns) leaves thinking to the model: the
+    template's default, or the server's `--chat-template-args`."""
     thinking = field(body, "thinking", dict)
     if thinking is None:
         return None, None
@@ -65,7 +67,7 @@ def _thinking(body: dict) -> Tuple[Optional[bool], Optional[int]]:
     if kind == "enabled":
         return True, field(thinking, "budget_tokens", int, minimum=1, label="thinking.budget_tokens")
     if kind == "adaptive":
-        return True, None
+        return None, None
     if kind == "disabled":
         return False, None
     raise APIError(400, "thinking.type: must be 'enabled', 'adaptive' or 'disabled'")
@@ -83,7 +85,8 @@ def _conversation(state, body: dict) -> Tuple[str, Prompt, Optional[List[dict]]]
     if choice == "none":
         tools = None
     prefill = continues_prefill(msgs, f"messages.{len(body['messages']) - 1}.content")
-    prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], tool_choice=choice, continue_final=prefill)
+    prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], state.template_kwargs(), tool_choice=choice,
+                          continue_final=prefill)
     return model, prompt, tools
 
 

@@ -51,6 +51,7 @@ class ServerState:
     strict_model_name: bool = False  # True: unknown model names get 404
     request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset ({}: greedy)
+    chat_template_args: dict = field(default_factory=dict)  # template variables a request may override
     created: int = field(default_factory=lambda: int(time.time()))
     # Parsing, validating, templating and tokenising run here, off the event loop (a 2 MB
     # prompt takes seconds): one thread, as a fast tokenizer must not be used from two at once.
@@ -68,6 +69,10 @@ class ServerState:
             return True
         return name == self.model_id or name in self.aliases or "*" in self.aliases
 
+    def template_kwargs(self, request_kwargs: Optional[dict] = None) -> dict:
+        """The chat template's variables for a request: the server's, then the request's own."""
+        return {**self.chat_template_args, **(request_kwargs or {})}
+
     def model_names(self) -> list:
         """What /v1/models lists: the served model, then its aliases."""
         return [self.model_id] + sorted(a for a in self.aliases if a not in ("*", self.model_id))
@@ -79,11 +84,13 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
                compile_steps: bool = False, memory_mb: Optional[int] = None,
-               sampling_defaults: Optional[dict] = None,
+               sampling_defaults: Optional[dict] = None, chat_template_args: Optional[dict] = None,
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
-    request leaves unset (None: greedy decoding); request bodies over `max_body_mb` MiB get
+    request leaves unset (None: greedy decoding); `chat_template_args` are the template's
+    variables for every request (a request's own win: see ServerState.template_kwargs);
+    request bodies over `max_body_mb` MiB get
     413. Any model name is answered (under the name asked for) unless `strict_model_name`:
     then only the model id and its aliases.
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
@@ -107,7 +114,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                         context_length=context_length, max_prompt_tokens=max_prompt_tokens,
                         aliases=_served_aliases(model_id, aliases),
                         request_hook=request_hook, strict_model_name=strict_model_name,
-                        sampling_defaults=dict(sampling_defaults or {}))
+                        sampling_defaults=dict(sampling_defaults or {}),
+                        chat_template_args=dict(chat_template_args or {}))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -193,6 +193,17 @@ def place_system(tok, messages: List[Message]) -> List[Message]:
     return out
 
 
+# apply_chat_template's own arguments: a request (or `serve --chat-template-args`) may set
+# the template's variables, never the template itself (a client's Jinja would run on the
+# thread that renders every request's prompt, with no bound on its loops) nor how the
+# server renders and tokenizes.
+RENDERING_ARGUMENTS = frozenset({
+    "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+
+
 def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
            enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
            continue_final: bool = False, param: str = "messages") -> Tuple[List[int], str, bool]:

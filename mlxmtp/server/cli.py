@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import socket
@@ -62,12 +63,18 @@ log = logging.getLogger("mlxmtp.server")
               help="top_k of requests that set none (default: generation_config.json, else 0: off).")
 @click.option("--min-p", default=None, type=click.FloatRange(0, 1),
               help="min_p of requests that set none (default: generation_config.json, else 0: off).")
+@click.option("--chat-template", default=None, callback=lambda ctx, param, value: _chat_template(value),
+              help="A Jinja chat template, or a file holding one, used instead of the model's own.")
+@click.option("--chat-template-args", default=None, callback=lambda ctx, param, value: _template_args(value),
+              help='JSON object of chat template variables for every request, e.g. \'{"enable_thinking": '
+                   "false}'. A request's own chat_template_kwargs, thinking or reasoning setting wins.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
-          dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None):
+          dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None, chat_template=None,
+          chat_template_args=None):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
     _check_api_key(api_key)  # before the (slow) model load
@@ -84,7 +91,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
                     pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
-                   draft_vocab_file=draft_vocab_file)
+                   draft_vocab_file=draft_vocab_file, chat_template=chat_template)
     if group is not None and group.rank() > 0:
         from .app import engine_options  # on use, as above
 
@@ -93,6 +100,9 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                                                                    memory_mb))
     name = model or "mlxmtp-demo"
     _log_start(model, m, num_draft, host, api_key)
+    if chat_template is not None or chat_template_args:
+        log.info("chat template: %s; variables for every request: %s",
+                 "--chat-template" if chat_template is not None else "the model's", chat_template_args or "none")
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
@@ -102,7 +112,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                      max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, memory_mb=memory_mb,
                      api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
-                     strict_model_name=strict_model_name,
+                     strict_model_name=strict_model_name, chat_template_args=chat_template_args,
                      sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .shutdown import run_server
@@ -133,6 +143,41 @@ def _sampling_defaults(m, **options) -> dict:
     log.info("sampling fields a request leaves unset: %s",
              ", ".join(f"{k} {v}" for k, v in defaults.items()) or "greedy decoding")
     return defaults
+
+
+def _chat_template(value):
+    """--chat-template: a file's text, or the template itself. A value that is neither an
+    existing file nor Jinja (a mistyped path) is refused rather than served as a prompt."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise click.BadParameter(f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template")
+
+
+def _template_args(value):
+    """--chat-template-args: a JSON object of the template's variables (not its rendering
+    arguments, which the server sets per request)."""
+    from .chat import RENDERING_ARGUMENTS  # on use: the server's modules load Starlette
+
+    if value is None:
+        return {}
+    try:
+        args = json.loads(value)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--chat-template-args") from None
+    if not isinstance(args, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--chat-template-args")
+    refused = sorted(RENDERING_ARGUMENTS & set(args))
+    if refused:
+        raise click.BadParameter(f"{', '.join(refused)}: set by the server per request, not a template variable "
+                                 "(use --chat-template for the template itself)", param_hint="--chat-template-args")
+    if not isinstance(args.get("enable_thinking", False), bool):
+        raise click.BadParameter("enable_thinking must be true or false", param_hint="--chat-template-args")
+    return args
 
 
 def _load(model, group, settings: dict, **load_options):

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from ..engine.limits import MAX_TOP_LOGPROBS
 from ..mlxlm.token_text import token_bytes
-from .chat import build_prompt, encode_prompt, openai_messages, openai_tools
+from .chat import RENDERING_ARGUMENTS, build_prompt, encode_prompt, openai_messages, openai_tools
 from .errors import APIError
 from .generation import Generation
 from .request_path import Reply, check_model, handle, new_generation, sse_data
@@ -177,21 +177,11 @@ class ChatReply(_OpenAIReply):
         return self.envelope("chat.completion", [choice], usage=_usage(gen))
 
 
-# apply_chat_template's own arguments: a request may set the template's variables, never
-# the template itself (a client's Jinja would run on the thread that renders every
-# request's prompt, with no bound on its loops) nor how the server renders and tokenizes.
-_RENDERING_ARGUMENTS = frozenset({
-    "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
-})
-
-
 def _template_options(body: dict) -> Tuple[Optional[bool], dict]:
     """-> (enable_thinking, the other chat_template_kwargs). `enable_thinking` may come at
     the top level or inside chat_template_kwargs; the top level wins."""
     kwargs = dict(field(body, "chat_template_kwargs", dict, default={}))
-    for name in sorted(_RENDERING_ARGUMENTS & set(kwargs)):
+    for name in sorted(RENDERING_ARGUMENTS & set(kwargs)):
         raise APIError(400, f"'chat_template_kwargs.{name}' is not allowed: the request may set the "
                             "template's variables only (the model's own template is used)",
                        param="chat_template_kwargs")
@@ -226,7 +216,7 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
     want_lp, top_n = _chat_logprob_fields(body)
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
-    prompt = build_prompt(state.tok, messages, tools, thinking, kwargs, tool_choice=choice)
+    prompt = build_prompt(state.tok, messages, tools, thinking, state.template_kwargs(kwargs), tool_choice=choice)
     max_tokens = field(body, "max_completion_tokens", int, minimum=1)
     if max_tokens is None:
         max_tokens = field(body, "max_tokens", int, minimum=1)

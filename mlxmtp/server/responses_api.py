@@ -260,7 +260,8 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, ResponsesReply]:
     max_out = field(body, "max_output_tokens", int, minimum=1)
     stream = field(body, "stream", bool, default=False)
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
-    prompt = build_prompt(state.tok, messages, chat_tools, thinking, tool_choice=choice, param="input")
+    prompt = build_prompt(state.tok, messages, chat_tools, thinking, state.template_kwargs(), tool_choice=choice,
+                          param="input")
     gen = new_generation(state, body, prompt.ids, max_out, params, prompt.splitter(chat_tools), param="input")
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     hold_to_format(gen.req, state.tok, text.get("format"), "text.format", prompt)
