@@ -8,7 +8,7 @@ import time
 
 import click
 
-from .cli_options import drafting_options
+from .cli_options import ADAPTER_PATH, drafting_options
 
 
 @click.command()
@@ -22,6 +22,7 @@ from .cli_options import drafting_options
 @click.option("--seed", default=None, type=int)
 @click.option("--enable-mtp/--disable-mtp", default=True, show_default=True)
 @drafting_options
+@ADAPTER_PATH
 @click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
@@ -30,7 +31,7 @@ from .cli_options import drafting_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
-             pipeline_drafts=False, compile_steps=False, dist_timeout=30.0):
+             pipeline_drafts=False, compile_steps=False, dist_timeout=30.0, adapter_path=None):
     """Generate a completion for PROMPT (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
@@ -42,7 +43,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
                           compile_steps=compile_steps)
     m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
-                         draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
+                         draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path)
     if no_chat_template or tok.chat_template is None:
         ids = tok.encode(prompt)
     else:

@@ -1,4 +1,5 @@
-"""The command-line options `mlxmtp serve` and `mlxmtp generate` share: how the engine drafts."""
+"""The command-line options `mlxmtp serve` and `mlxmtp generate` share: how the engine drafts,
+and fine-tuned adapters."""
 
 from __future__ import annotations
 
@@ -28,3 +29,8 @@ def drafting_options(command):
     for option in reversed(_DRAFTING):
         command = option(command)
     return command
+
+
+ADAPTER_PATH = click.option(
+    "--adapter-path", default=None, type=click.Path(exists=True, file_okay=False),
+    help="Fine-tuned adapters (an `mlx_lm.lora` output folder) to apply to the model, as mlx-lm does.")

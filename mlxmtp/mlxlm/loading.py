@@ -16,13 +16,16 @@ from .pipeline import split_backbone
 from .token_text import exact_text
 
 
-def load(model_dir: Path, lazy: bool = False, tokenizer_config: Optional[dict] = None):
+def load(model_dir: Path, lazy: bool = False, tokenizer_config: Optional[dict] = None,
+         adapter_path: Optional[Path] = None):
     """(model, tokenizer) of a local MLX or HF folder, as `mlx_lm.load` makes them.
-    `tokenizer_config`: extra tokenizer settings, e.g. {"chat_template": ...}."""
+    `tokenizer_config`: extra tokenizer settings, e.g. {"chat_template": ...};
+    `adapter_path`: a folder of LoRA / DoRA / full fine-tuned weights from `mlx_lm.lora`."""
     # mlx-lm on use (see the module docstring)
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy, tokenizer_config=tokenizer_config)
+    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy, tokenizer_config=tokenizer_config,
+                                   adapter_path=str(adapter_path) if adapter_path is not None else None)
     return model, exact_text(tokenizer)
 
 

@@ -239,7 +239,8 @@ def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Pa
 
 def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
          hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False,
-         draft_vocab: int = 0, draft_vocab_file=None, pipeline=None, chat_template: Optional[str] = None):
+         draft_vocab: int = 0, draft_vocab_file=None, pipeline=None, chat_template: Optional[str] = None,
+         adapter_path=None):
     """(MTPModel, tokenizer): the model and tokenizer as mlx-lm loads them, with the MTP head.
 
     mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
@@ -249,6 +250,8 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     pipeline=(group, split, strict): load only this rank's layers of a pipeline split
     (distributed/load.py); the head and everything outside the layers load on every rank.
     chat_template: a Jinja template used instead of the tokenizer's own.
+    adapter_path: fine-tuned adapters (`mlx_lm.lora`) applied to the model as mlx-lm applies
+    them; the head drafts for the adapted model (its output is still exactly the model's).
     Memory up to the device's recommended working set is wired first (Apple GPUs).
     """
     if path_or_hf_id is None:
@@ -257,9 +260,13 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     wired = loading.wire_recommended_memory()
     tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
     if pipeline is not None:
+        if adapter_path is not None:
+            raise MTPLoadError("adapters are not supported across ranks: fuse them into the model first "
+                               "(mlx_lm.fuse) and serve the fused folder")
         model, tokenizer = loading.load_pipelined(model_dir, *pipeline, tokenizer_config=tokenizer_config)
     else:
-        model, tokenizer = loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config)
+        model, tokenizer = loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config,
+                                        adapter_path=adapter_path)
     _warn_if_beyond_wired(model, wired)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.

@@ -10,7 +10,7 @@ import socket
 
 import click
 
-from ..engine.cli_options import drafting_options
+from ..engine.cli_options import ADAPTER_PATH, drafting_options
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -23,6 +23,7 @@ log = logging.getLogger("mlxmtp.server")
               help="Require the MTP head (error if missing, unless --mtp-fallback) / never use it. "
                    "Default: use the head when the model has one.")
 @drafting_options
+@ADAPTER_PATH
 @click.option("--mtp-fallback", is_flag=True, help="With --enable-mtp: serve without MTP if the model has no head.")
 @click.option("--max-concurrent", default=8, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together; more wait in the queue.")
@@ -74,7 +75,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
           dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None, chat_template=None,
-          chat_template_args=None):
+          chat_template_args=None, adapter_path=None):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
     _check_api_key(api_key)  # before the (slow) model load
@@ -91,7 +92,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
                     pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
-                   draft_vocab_file=draft_vocab_file, chat_template=chat_template)
+                   draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path)
     if group is not None and group.rank() > 0:
         from .app import engine_options  # on use, as above
 
@@ -100,9 +101,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                                                                    memory_mb))
     name = model or "mlxmtp-demo"
     _log_start(model, m, num_draft, host, api_key)
-    if chat_template is not None or chat_template_args:
-        log.info("chat template: %s; variables for every request: %s",
-                 "--chat-template" if chat_template is not None else "the model's", chat_template_args or "none")
+    _log_changes(adapter_path, chat_template, chat_template_args)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
@@ -131,6 +130,15 @@ def _log_start(model, m, num_draft, host: str, api_key) -> None:
         log.info("MTP head: inactive (%s)", m.disabled_reason or "not requested")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
+
+
+def _log_changes(adapter_path, chat_template, chat_template_args) -> None:
+    """What the options change of the model as its folder has it."""
+    if adapter_path is not None:
+        log.info("adapters: %s", adapter_path)
+    if chat_template is not None or chat_template_args:
+        log.info("chat template: %s; variables for every request: %s",
+                 "--chat-template" if chat_template is not None else "the model's", chat_template_args or "none")
 
 
 def _sampling_defaults(m, **options) -> dict:
