@@ -229,6 +229,15 @@ def test_chat_template_options_reach_the_app(tmp_path):
                                              add_generation_prompt=True) == "<user>hi<go>"
 
 
+def test_a_chat_template_that_cannot_render_is_refused_at_start(tmp_path):
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    for template in ("{% for m in messages %}{{ m.content }", "{{ raise_exception('no') }}"):
+        with mock.patch(RUN) as run:
+            res = CliRunner().invoke(main, ["serve", "--model", str(path), "--chat-template", template])
+        assert res.exit_code == 1 and "the chat template cannot render a conversation" in res.output, res.output
+        run.assert_not_called()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--chat-template", "templates/qwen.jinja"], "neither a file nor a Jinja template"),
     (["--chat-template-args", "{enable_thinking: false}"], "not JSON"),

@@ -101,7 +101,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                                                                    memory_mb))
     name = model or "mlxmtp-demo"
     _log_start(model, m, num_draft, host, api_key)
-    _log_changes(adapter_path, chat_template, chat_template_args)
+    _check_changes(tok, adapter_path, chat_template, chat_template_args)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
@@ -132,13 +132,21 @@ def _log_start(model, m, num_draft, host: str, api_key) -> None:
         log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
 
 
-def _log_changes(adapter_path, chat_template, chat_template_args) -> None:
-    """What the options change of the model as its folder has it."""
+def _check_changes(tok, adapter_path, chat_template, chat_template_args) -> None:
+    """Log what the options change of the model as its folder has it, and refuse a chat
+    template that cannot render a one-message conversation now, not at the first request."""
     if adapter_path is not None:
         log.info("adapters: %s", adapter_path)
-    if chat_template is not None or chat_template_args:
-        log.info("chat template: %s; variables for every request: %s",
-                 "--chat-template" if chat_template is not None else "the model's", chat_template_args or "none")
+    if chat_template is None and not chat_template_args:
+        return
+    if getattr(tok, "chat_template", None) is not None:
+        try:
+            tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
+                                    **chat_template_args)
+        except Exception as e:  # noqa: BLE001 - Jinja's syntax and runtime errors alike
+            raise click.ClickException(f"the chat template cannot render a conversation: {e}") from e
+    log.info("chat template: %s; variables for every request: %s",
+             "--chat-template" if chat_template is not None else "the model's", chat_template_args or "none")
 
 
 def _sampling_defaults(m, **options) -> dict:
