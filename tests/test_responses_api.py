@@ -297,12 +297,17 @@ BAD = [
     ({"model": MODEL, "input": "x", "top_logprobs": "x"}, 400, "top_logprobs"),
     ({"model": MODEL, "input": "x", "truncation": "middle"}, 400, "truncation"),
     ({"model": MODEL, "input": "x " * 2000}, 400, "input"),
+    # NaN / Infinity (JavaScript's, read by Python's json) anywhere: no reply could echo them.
+    ({"model": MODEL, "input": "x", "text": {"format": {"type": "text", "name": float("nan")}}}, 400,
+     "text.format.name"),
+    ({"model": MODEL, "input": "x", "metadata": {"k": float("inf")}}, 400, "metadata.k"),
 ]
 
 
 @pytest.mark.parametrize("body,status,param", BAD)
 def test_bad_requests_name_the_field(server, body, status, param):
-    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/responses", content=json.dumps(body, allow_nan=True),
+                   headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]

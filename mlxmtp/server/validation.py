@@ -33,17 +33,23 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"invalid JSON body: {e}") from e
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_strings(body)
+    check_values(body)
     return body
 
 
-def check_strings(value: Any, path: str = "") -> None:
-    """Every string (keys included) must be valid Unicode: JSON's "\\ud800" is not."""
+def check_values(value: Any, path: str = "") -> None:
+    """Every string (keys included) must be valid Unicode: JSON's "\\ud800" is not. Every
+    number must be finite: Python's json reads JavaScript's NaN and Infinity, which no
+    JSON reply can hold (the Responses API echoes fields such as `text.format` back)."""
     stack = [(value, path)]
     while stack:
         v, p = stack.pop()
         if isinstance(v, str):
             _encodable(v, p)
+        elif isinstance(v, float) and not math.isfinite(v):
+            name = p or "body"
+            raise APIError(400, f"'{name}' must be a finite number, got {v} (NaN and Infinity are not JSON)",
+                           param=name)
         elif isinstance(v, dict):
             for key, item in v.items():
                 _encodable(key, p)
@@ -58,7 +64,7 @@ def _encodable(s: str, path: str) -> None:
     except UnicodeEncodeError as e:
         name = path or "body"
         raise APIError(400, f"'{name}' contains invalid Unicode (a lone surrogate at character {e.start})",
-                       param=name.split(".")[0].split("[")[0] or None) from e
+                       param=name) from e
 
 
 def _type_name(types) -> str:
