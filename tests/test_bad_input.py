@@ -150,6 +150,7 @@ CASES = [
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"minimum": NAN}}}), 400,
      "response_format.json_schema.schema.minimum"),
     (completion(logit_bias={"999999": 5}), 400, "logit_bias"),
+    (chat(logit_bias={"5": None}), 400, "logit_bias.5"),
     (completion(max_tokens=0), 400, "max_tokens"),
     (message(temperature=5), 400, "temperature"),
     (message(temperature=1.5), 400, "temperature"),

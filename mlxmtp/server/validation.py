@@ -136,6 +136,8 @@ def _logit_bias(body: dict, vocab_size: int) -> Optional[dict]:
             raise APIError(400, f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from e
         if not 0 <= tok < vocab_size:
             raise APIError(400, f"'logit_bias' key {key} is not a token id in [0, {vocab_size})", param="logit_bias")
+        if raw[key] is None:  # `field` reads null as absent; here it would reach the sampler
+            raise APIError(400, f"'logit_bias.{key}' must be a number, got null", param=f"logit_bias.{key}")
         bias[tok] = field(raw, key, float, minimum=-100.0, maximum=100.0, label=f"logit_bias.{key}")
     return bias
 
