@@ -147,6 +147,9 @@ CASES = [
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "number", "maximum": INF}}}}}]), 400,
      "tools[0].function.parameters.properties.x.maximum"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": json.loads(
+        '{"type": "object", "properties": {"x": ' + '{"items": ' * 300 + "{}" + "}" * 300 + "}}")}}]), 400,
+     "'tools' is nested deeper than 128"),
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"minimum": NAN}}}), 400,
      "response_format.json_schema.schema.minimum"),
     (completion(logit_bias={"999999": 5}), 400, "logit_bias"),
@@ -157,6 +160,7 @@ CASES = [
     (message(temperature=NAN), 400, "temperature"),
     (message(top_p=0), 400, "top_p"),
     (message(metadata={"user_id": -INF}), 400, "metadata.user_id"),
+    (message(metadata={"k": json.loads("[" * 200 + "]" * 200)}), 400, "'metadata' is nested deeper than 128"),
     (message(top_k=-1), 400, "top_k"),
     (message(tools=[{"name": "f", "input_schema": {"type": "object", "properties": "bad"}}]), 400,
      "tools.0.input_schema.properties"),

@@ -301,6 +301,7 @@ BAD = [
     ({"model": MODEL, "input": "x", "text": {"format": {"type": "text", "name": float("nan")}}}, 400,
      "text.format.name"),
     ({"model": MODEL, "input": "x", "metadata": {"k": float("inf")}}, 400, "metadata.k"),
+    ({"model": MODEL, "input": "x", "metadata": {"k": json.loads("[" * 300 + "]" * 300)}}, 400, "metadata"),
 ]
 
 

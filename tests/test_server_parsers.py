@@ -46,6 +46,25 @@ def test_tool_call_parse_errors(bad):
         parse_tool_call(bad)
 
 
+DEEP = "[" * 3000 + "]" * 3000  # json.loads: RecursionError
+NESTED = "[" * 200 + "]" * 200  # parses, but deeper than a reply may hold
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "f", "arguments": {"a": %s}}' % DEEP, '{"name": "f", "arguments": {"a": %s}}' % NESTED,
+    '{"name": "f", "arguments": "{\\"a\\": %s}"}' % DEEP,
+    "<function=f><parameter=a>%s</parameter></function>" % DEEP,
+    "<function=f><parameter=a>%s</parameter></function>" % NESTED])
+def test_a_call_nested_too_deeply_is_no_call_and_stays_text(body):
+    # The model's own output: a call that no JSON reply could hold is returned as text,
+    # never a 500 or a cut stream.
+    with pytest.raises(ToolParseError, match="nested"):
+        parse_tool_call(body)
+    out = _stream("<tool_call>\n" + body + "\n</tool_call>")
+    assert [k for k, _ in out] == ["content"] * len(out) and "".join(v for _, v in out).count("[") >= 200
+    json.dumps(out)
+
+
 @pytest.mark.parametrize("schema", [{"properties": "bad"}, {"properties": {"a": "integer"}}, [1], "x",
                                     {"properties": {"a": True}}, {"properties": {"a": {"type": ["integer", "null"]}}}])
 def test_an_xml_call_parses_whatever_schema_its_tool_has(schema):

@@ -16,6 +16,8 @@ import json
 import re
 from typing import Any, Dict, List, Optional
 
+from . import json_depth
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
@@ -28,11 +30,16 @@ class ToolParseError(ValueError):
 
 
 def parse_tool_call(body: str, tools: Optional[List[dict]] = None) -> Dict[str, Any]:
-    """The text between `<tool_call>` and `</tool_call>` -> {"name": str, "arguments": dict}."""
+    """The text between `<tool_call>` and `</tool_call>` -> {"name": str, "arguments": dict}.
+    Arguments nested deeper than json_depth.MAX_DEPTH are not a call: no reply could hold them."""
     text = body.strip()
-    if text.startswith("<function="):
-        return _parse_xml(text, tools)
-    return _parse_json(text)
+    try:
+        call = _parse_xml(text, tools) if text.startswith("<function=") else _parse_json(text)
+    except RecursionError as e:
+        raise ToolParseError("tool call nested too deeply to parse") from e
+    if json_depth.depth(call["arguments"]) > json_depth.MAX_DEPTH:
+        raise ToolParseError(f"tool call arguments nested deeper than {json_depth.MAX_DEPTH} levels")
+    return call
 
 
 def _parse_json(text: str) -> Dict[str, Any]:

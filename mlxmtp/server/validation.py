@@ -20,6 +20,7 @@ from typing import Any, List, Optional
 
 from ..engine.limits import MAX_DRAFT_DEPTH
 from ..engine.sampling import SamplingParams
+from . import json_depth
 from .errors import APIError
 
 _MISSING = object()
@@ -40,10 +41,15 @@ def parse_json_body(raw: bytes) -> dict:
 def check_values(value: Any, path: str = "") -> None:
     """Every string (keys included) must be valid Unicode: JSON's "\\ud800" is not. Every
     number must be finite: Python's json reads JavaScript's NaN and Infinity, which no
-    JSON reply can hold (the Responses API echoes fields such as `text.format` back)."""
-    stack = [(value, path)]
+    JSON reply can hold (the Responses API echoes fields such as `text.format` back). No
+    value may nest deeper than json_depth.MAX_DEPTH (echoed back, it could not be written)."""
+    stack = [(value, path, 0)]
     while stack:
-        v, p = stack.pop()
+        v, p, level = stack.pop()
+        if level > json_depth.MAX_DEPTH:
+            top = p.split(".")[0].split("[")[0]
+            raise APIError(400, f"'{top}' is nested deeper than {json_depth.MAX_DEPTH} levels (at {p[:120]}...)",
+                           param=top)
         if isinstance(v, str):
             _encodable(v, p)
         elif isinstance(v, float) and not math.isfinite(v):
@@ -53,9 +59,9 @@ def check_values(value: Any, path: str = "") -> None:
         elif isinstance(v, dict):
             for key, item in v.items():
                 _encodable(key, p)
-                stack.append((item, f"{p}.{key}" if p else key))
+                stack.append((item, f"{p}.{key}" if p else key, level + 1))
         elif isinstance(v, list):
-            stack.extend((item, f"{p}[{i}]") for i, item in enumerate(v))
+            stack.extend((item, f"{p}[{i}]", level + 1) for i, item in enumerate(v))
 
 
 def _encodable(s: str, path: str) -> None:
