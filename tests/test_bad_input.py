@@ -300,3 +300,21 @@ def test_poison_sent_while_streams_run_leaves_them_equal_to_solo(server):
         t.join(120)
     assert results == solo
     assert server.state.bridge.restarts == 0
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1e-40}, {"temperature": 5e-324, "logprobs": True},
+                                   {"temperature": 0.7, "top_p": 5e-324}, {"temperature": 1e-300, "top_p": 1e-9}])
+def test_a_temperature_or_top_p_too_small_for_float32_decodes_greedily(server, normal, extra):
+    # 1 / 1e-40 overflows float32 and 1 - 5e-324 rounds to 1: the sampler saw inf / NaN
+    # logits, or every token masked, and wrote garbage (with logprobs -inf: a 500).
+    path, body, text = normal
+    r = httpx.post(server.url + path, json={**body, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == text
+
+
+def test_tiny_temperatures_are_greedy_and_small_ones_are_not():
+    from mlxmtp.engine.sampling import SamplingParams
+
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0.7, top_p=1e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=0.7, top_p=1e-5).greedy

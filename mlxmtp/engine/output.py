@@ -116,5 +116,7 @@ def logprob_entry(token: int, table: list, top_n: int) -> dict:
     tokens a processor ruled out (-inf: a grammar's refused ones) are not among the top."""
     width = (len(table) - 1) // 2
     ids, values = table[1 : 1 + width], table[1 + width :]
-    return {"token": token, "logprob": float(table[0]),
+    logprob = float(table[0])
+    # JSON has no -inf (nor NaN): a token of no probability is written as OpenAI writes one.
+    return {"token": token, "logprob": logprob if logprob > -9999.0 else -9999.0,
             "top": [(int(i), float(v)) for i, v in zip(ids[:top_n], values[:top_n]) if math.isfinite(v)]}

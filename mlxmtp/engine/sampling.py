@@ -19,6 +19,8 @@ import mlx.core as mx
 from ..mlxlm.sampling import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 from .limits import MAX_DRAFT_DEPTH
 
+GREEDY_BELOW = 1e-5  # temperatures and top_p below it decode greedily (SamplingParams.__post_init__)
+
 
 @dataclass
 class SamplingParams:
@@ -32,6 +34,13 @@ class SamplingParams:
     logit_bias: Optional[dict] = None
     seed: Optional[int] = None
     logits_processors: List[Callable] = field(default_factory=list)
+
+    def __post_init__(self):
+        # A temperature or top_p this small leaves one token its probability, and float32
+        # cannot compute it (1 / temperature overflows to inf, 1 - top_p rounds to 1: every
+        # token masked): such a request decodes greedily, as vLLM's do below 1e-5.
+        if 0 < self.temperature < GREEDY_BELOW or 0 < self.top_p < GREEDY_BELOW:
+            self.temperature = 0.0
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
         numbers = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
