@@ -142,10 +142,17 @@ def test_a_schema_it_cannot_enforce_and_a_forced_call_are_400s(server):
         r = httpx.post(server.url + path, timeout=30, json=body)
         assert r.status_code == 400 and param in r.text, (path, r.text)
 
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
-        "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": bad})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    for schema, message in [({"type": "nonsense"}, "nonsense"),
+                            # known keywords llguidance does not enforce: dropped, they could be broken
+                            ({"not": {"type": "null"}}, "cannot enforce: not"),
+                            ({"type": "array", "uniqueItems": True, "if": {}}, "cannot enforce: if, uniqueItems"),
+                            ({"$ref": "#"}, "no JSON value satisfies this schema"),  # answered "" before
+                            ({"type": "object", "const": 1}, "Unsatisfiable")]:
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+        assert message in r.json()["error"]["message"], r.text
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
         "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools,

@@ -92,18 +92,37 @@ def requested_schema(fmt, where: str) -> Optional[dict]:
 _OPTIONS = {"whitespace_pattern": r"[ \t\n\r]{0,64}", "lenient": True}
 
 
+_UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's warning, then a JSON list of the keywords
+
+
 def grammar_for(schema: dict, where: str) -> str:
-    """The llguidance grammar of a JSON schema; a schema it cannot compile is a 400."""
+    """The llguidance grammar of a JSON schema. A 400: a schema llguidance cannot compile,
+    one with keywords it knows but cannot enforce (`not`, `if`, `uniqueItems`...: left out,
+    the answer could break them), and one no JSON value satisfies (a `$ref` to itself)."""
     import llguidance  # on use, as above
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
-        error = llguidance.LLMatcher.validate_grammar(grammar, _ll_tokenizer())  # "" when it compiles
+        failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, _ll_tokenizer())
+        error = "; ".join(warnings) if failed else ""
     except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising
-        error = str(e) or type(e).__name__
+        error, warnings = str(e) or type(e).__name__, []
+    unenforced = sorted({key for w in warnings if w.startswith(_UNIMPLEMENTED)
+                         for key in json.loads(w[len(_UNIMPLEMENTED):])})
+    if not error and unenforced:
+        error = "JSON Schema keywords this server cannot enforce: " + ", ".join(unenforced)
+    if not error and not _anything_allowed(llguidance.LLMatcher(_ll_tokenizer(), grammar)):
+        error = "no JSON value satisfies this schema"
     if error:
         raise APIError(400, f"'{where}' cannot be enforced: {error}", param=where)
     return grammar
+
+
+def _anything_allowed(matcher) -> bool:
+    """Whether the grammar lets the answer start: some token other than the end of text."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    allowed = set(np.flatnonzero(bits[: _MODEL["vocab_size"]]).tolist())
+    return bool(allowed - set(_MODEL["tok"].eos_token_ids))
 
 
 def hold_to_format(req, tok, fmt, where: str, prompt) -> None:
