@@ -76,6 +76,7 @@ def test_a_prompt_waits_until_the_batch_it_joins_fits(fixture_model):
     eng = BatchGenerator(model, tok, num_draft=3, memory_bytes=budget)
     outs, log = run(eng, reqs, expected)
     assert outs == expected
+    assert eng.memory.running == 0  # what /metrics reads once the server is idle again
     a, b = reqs
     assert log.index(next(e for e in log if e[1:] == (a.id, "finish"))) < \
         log.index(next(e for e in log if e[1:] == (b.id, "first")))  # b started after a left

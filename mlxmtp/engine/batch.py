@@ -71,8 +71,7 @@ class BatchGenerator:
         self.waiting: deque = deque()  # Rows not yet prefilled
         self.inbox = scheduler.Inbox()
         self.clock = CycleClock()
-        self.cycles = 0
-        self.last_depth = 0
+        self.cycles = self.last_depth = 0
         self.why = ""  # why the last cycle got its depth (see cycle.choose_depth)
         # Tests force acceptance patterns through it (drafts are verified: any give the same
         # output): draft_hook(rows, drafts, unread) -> drafts; unread: None, or [B] tokens each
@@ -166,6 +165,7 @@ class BatchGenerator:
         keep = self.batch.drop(gone)
         if keep is not None and self._inflight is not None:
             self._inflight = self._inflight.select(keep) if keep else None
+        memory.after_drop(self.memory, self.rows, self.waiting)
 
     # ---------------------------------------------------------------- decode
     def calibrate(self, batch_size: int = 1) -> bool:

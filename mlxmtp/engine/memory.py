@@ -193,6 +193,14 @@ def overflow(guard: MemoryGuard, rows, waiting) -> int:
     return guard.overflow(next_lengths(rows), started) if guard.enabled and rows else 0
 
 
+def after_drop(guard: MemoryGuard, rows, waiting) -> None:
+    """What runs once rows have left: until the next check, /metrics would otherwise show
+    the batch before (an idle server holding its last request's bytes)."""
+    if guard.enabled:
+        guard.running = guard.need([*next_lengths(rows),
+                                    *_prefilled_lengths([r for r in waiting if r.cache is not None])])
+
+
 def guard_for(pieces, budget: int, prefix_cache, agree: Optional[Callable[[int], int]] = None) -> MemoryGuard:
     """The engine's guard; `agree`: a distributed engine's way to take rank 0's numbers
     (every rank must admit and preempt the same rows, while each holds other layers)."""
