@@ -318,3 +318,43 @@ def test_tiny_temperatures_are_greedy_and_small_ones_are_not():
 
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0.7, top_p=1e-6).greedy
     assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=0.7, top_p=1e-5).greedy
+
+
+def test_a_huge_body_being_prepared_holds_up_no_other_request(start_server, monkeypatch):
+    # A multi-MiB prompt takes seconds to parse and tokenize (and is then refused as too
+    # long); requests behind it are prepared in the other lane meanwhile. Its preparation is
+    # held here until the small request has its answer: in one shared lane that would wait.
+    from mlxmtp.server import openai_api
+    from mlxmtp.server.server_state import LARGE_BODY
+
+    srv = start_server(model_id=MODEL, context_length=CONTEXT, max_body_mb=4)
+    entered, release = threading.Event(), threading.Event()
+    real = openai_api.parse_json_body
+
+    def held_when_large(raw):
+        if len(raw) > LARGE_BODY:
+            entered.set()
+            release.wait(60)
+        return real(raw)
+
+    monkeypatch.setattr(openai_api, "parse_json_body", held_when_large)
+    path, big = chat(messages=[{"role": "user", "content": "x " * LARGE_BODY}])
+    answers = {}
+    waiter = threading.Thread(target=lambda: answers.update(big=httpx.post(srv.url + path, json=big, timeout=90)))
+    waiter.start()
+    try:
+        assert entered.wait(30)
+        path, small = chat(messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert httpx.post(srv.url + path, json=small, timeout=20).status_code == 200
+        assert "big" not in answers
+    finally:
+        release.set()
+        waiter.join()
+    assert answers["big"].status_code == 400 and "maximum context length" in answers["big"].text
+    # Either lane's tokenizer gives the same prompts: Anthropic's count_tokens of n repeats,
+    # n = 1000 and 2000 (the usual lane) and LARGE_BODY / 2 (the large one), is linear in n.
+    tokens = {n: httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60, json=count(
+        messages=[{"role": "user", "content": "y " * n}])[1]).json()["input_tokens"]
+        for n in (1000, 2000, LARGE_BODY // 2)}
+    per_repeat = (tokens[2000] - tokens[1000]) / 1000
+    assert tokens[LARGE_BODY // 2] - tokens[1000] == per_repeat * (LARGE_BODY // 2 - 1000)

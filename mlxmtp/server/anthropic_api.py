@@ -132,7 +132,7 @@ def _count(state, raw: bytes) -> int:
 async def count_tokens(request: HTTPRequest):
     """POST /v1/messages/count_tokens (Claude Code calls it): the rendered prompt's length."""
     state = request.app.state.server
-    return JSONResponse({"input_tokens": await state.off_loop(_count, state, await request.body())})
+    return JSONResponse({"input_tokens": await state.prepare(_count, await request.body())})
 
 
 # ------------------------------------------------------------------ output

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -30,52 +26,10 @@ from . import anthropic_api, openai_api, responses_api
 from .engine_thread import EngineBridge
 from .errors import APIError, error_response, is_anthropic_path
 from .metrics import Metrics
+from .server_state import ServerState
 from .structured_output import serve_tokenizer
 
 log = logging.getLogger("mlxmtp.server")
-
-
-@dataclass
-class ServerState:
-    tok: object
-    model_id: str
-    bridge: EngineBridge
-    metrics: Metrics
-    eos_ids: set
-    mtp_active: bool
-    mtp_disabled_reason: Optional[str]
-    vocab_size: int
-    context_length: int  # prompt + output tokens a request may reach
-    max_prompt_tokens: Optional[int] = None
-    aliases: set = field(default_factory=set)
-    strict_model_name: bool = False  # True: unknown model names get 404
-    request_hook: Optional[Callable] = None  # tests: (engine Request, body) before submit
-    sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset ({}: greedy)
-    chat_template_args: dict = field(default_factory=dict)  # template variables a request may override
-    created: int = field(default_factory=lambda: int(time.time()))
-    # Parsing, validating, templating and tokenising run here, off the event loop (a 2 MB
-    # prompt takes seconds): one thread, as a fast tokenizer must not be used from two at once.
-    prep_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxmtp-prep"))
-
-    async def off_loop(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
-
-    def knows_model(self, name: str) -> bool:
-        # Agents send names of their own (claude-sonnet-..., gpt-5-codex): one model is
-        # served, so any name is answered unless --strict-model-name ("*" in --alias
-        # accepts any name even then).
-        if not self.strict_model_name:
-            return True
-        return name == self.model_id or name in self.aliases or "*" in self.aliases
-
-    def template_kwargs(self, request_kwargs: Optional[dict] = None) -> dict:
-        """The chat template's variables for a request: the server's, then the request's own."""
-        return {**self.chat_template_args, **(request_kwargs or {})}
-
-    def model_names(self) -> list:
-        """What /v1/models lists: the served model, then its aliases."""
-        return [self.model_id] + sorted(a for a in self.aliases if a not in ("*", self.model_id))
 
 
 def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool = True,

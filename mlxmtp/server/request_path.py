@@ -99,7 +99,7 @@ Prepare = Callable[[object, bytes], Tuple[Generation, Reply]]
 async def handle(request: HTTPRequest, prepare: Prepare) -> Response:
     """The handler body every generating endpoint shares."""
     state = request.app.state.server
-    gen, reply = await state.off_loop(prepare, state, await request.body())
+    gen, reply = await state.prepare(prepare, await request.body())
     gen.start()
     if reply.stream:
         return StreamingResponse(guarded(gen, events(gen, reply)), media_type="text/event-stream",
