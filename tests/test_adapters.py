@@ -89,3 +89,19 @@ def test_adapters_are_refused_across_ranks_before_the_weights_load(adapted):
     path, adapters, *_ = adapted
     with pytest.raises(MTPLoadError, match="mlx_lm.fuse"):
         load(str(path), adapter_path=adapters, pipeline=(None, [1], True))
+
+
+def test_adapters_that_cannot_apply_are_a_clear_error(adapted, fixture_model, tmp_path):
+    path, adapters, *_ = adapted
+    other = "qwen3_next" if "qwen3_5" in str(path) else "qwen3_5"
+    broken = tmp_path / "no_weights"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapters / "adapter_config.json").read_text())
+    for folder, message in [(broken, "adapters.safetensors"), (tmp_path, "adapter_config.json"),
+                            (adapters, "incompatible tensors")]:
+        model = path if folder is not adapters else fixture_model(other)["hf"]  # another model's shapes
+        with pytest.raises(MTPLoadError, match="cannot apply the adapters"):
+            load(str(model), adapter_path=folder)
+        res = CliRunner().invoke(main, ["generate", "--model", str(model), "--adapter-path", str(folder), "-p", "x"])
+        assert res.exit_code == 1 and "cannot apply the adapters" in res.output and message in res.output, res.output
+        assert res.exc_info[0] is SystemExit  # a message, not a traceback

@@ -231,11 +231,18 @@ def test_chat_template_options_reach_the_app(tmp_path):
 
 def test_a_chat_template_that_cannot_render_is_refused_at_start(tmp_path):
     path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
-    for template in ("{% for m in messages %}{{ m.content }", "{{ raise_exception('no') }}"):
+    (tmp_path / "empty.jinja").write_text("")
+    for template, message in [("{% for m in messages %}{{ m.content }", "cannot render a conversation"),
+                              ("{{ raise_exception('no') }}", "cannot render a conversation"),
+                              (str(tmp_path / "empty.jinja"), "leaves a conversation's messages out"),
+                              ("{{ 'constant' }}", "leaves a conversation's messages out")]:
         with mock.patch(RUN) as run:
             res = CliRunner().invoke(main, ["serve", "--model", str(path), "--chat-template", template])
-        assert res.exit_code == 1 and "the chat template cannot render a conversation" in res.output, res.output
+        assert res.exit_code == 1 and message in res.output, res.output
         run.assert_not_called()
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    res = CliRunner().invoke(main, ["serve", "--chat-template", str(tmp_path / "latin1.jinja")])
+    assert res.exit_code == 2 and "cannot read" in res.output, res.output
 
 
 @pytest.mark.parametrize("args, message", [

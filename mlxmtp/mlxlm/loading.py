@@ -24,9 +24,29 @@ def load(model_dir: Path, lazy: bool = False, tokenizer_config: Optional[dict] =
     # mlx-lm on use (see the module docstring)
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy, tokenizer_config=tokenizer_config,
-                                   adapter_path=str(adapter_path) if adapter_path is not None else None)
+    model, tokenizer = mlx_lm.load(str(model_dir), lazy=lazy, tokenizer_config=tokenizer_config)
+    if adapter_path is not None:
+        model = apply_adapters(model, adapter_path)
     return model, exact_text(tokenizer)
+
+
+class AdapterError(ValueError):
+    pass
+
+
+def apply_adapters(model, adapter_path: Path):
+    """The model with an adapter folder applied, as `mlx_lm.load(adapter_path=...)` applies
+    it; a folder mlx-lm cannot apply (files missing or unreadable, shapes of another model)
+    is an AdapterError saying why, where mlx-lm raises whatever its readers raise."""
+    # mlx-lm on use (see the module docstring)
+    from mlx_lm.tuner.utils import load_adapters
+
+    try:
+        model = load_adapters(model, str(adapter_path))
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise AdapterError(f"cannot apply the adapters in {adapter_path}: {e}") from e
+    model.eval()
+    return model
 
 
 def wire_recommended_memory() -> Optional[int]:

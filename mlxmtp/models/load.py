@@ -265,8 +265,11 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
                                "(mlx_lm.fuse) and serve the fused folder")
         model, tokenizer = loading.load_pipelined(model_dir, *pipeline, tokenizer_config=tokenizer_config)
     else:
-        model, tokenizer = loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config,
-                                        adapter_path=adapter_path)
+        try:
+            model, tokenizer = loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config,
+                                            adapter_path=adapter_path)
+        except loading.AdapterError as e:
+            raise MTPLoadError(str(e)) from e
     _warn_if_beyond_wired(model, wired)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.

@@ -141,10 +141,12 @@ def _check_changes(tok, adapter_path, chat_template, chat_template_args) -> None
         return
     if getattr(tok, "chat_template", None) is not None:
         try:
-            tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
-                                    **chat_template_args)
+            text = tok.apply_chat_template([{"role": "user", "content": "a user's words"}], tokenize=False,
+                                           add_generation_prompt=True, **chat_template_args)
         except Exception as e:  # noqa: BLE001 - Jinja's syntax and runtime errors alike
             raise click.ClickException(f"the chat template cannot render a conversation: {e}") from e
+        if "a user's words" not in text:
+            raise click.ClickException("the chat template leaves a conversation's messages out of the prompt")
     log.info("chat template: %s; variables for every request: %s",
              "--chat-template" if chat_template is not None else "the model's", chat_template_args or "none")
 
@@ -167,8 +169,11 @@ def _chat_template(value):
     if value is None:
         return None
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"cannot read {value}: {e}", param_hint="--chat-template") from None
     if "{{" in value or "{%" in value:
         return value
     raise click.BadParameter(f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template")
