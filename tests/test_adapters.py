@@ -3,6 +3,7 @@ adapted one, exactly as mlx-lm loads it, and MTP decoding keeps its output token
 (the head was trained for the base model: it drafts, the adapted model decides)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -97,8 +98,11 @@ def test_adapters_that_cannot_apply_are_a_clear_error(adapted, fixture_model, tm
     broken = tmp_path / "no_weights"
     broken.mkdir()
     (broken / "adapter_config.json").write_text((adapters / "adapter_config.json").read_text())
+    no_layers = tmp_path / "no_num_layers"
+    shutil.copytree(adapters, no_layers)
+    (no_layers / "adapter_config.json").write_text(json.dumps({"lora_parameters": LORA}))
     for folder, message in [(broken, "adapters.safetensors"), (tmp_path, "adapter_config.json"),
-                            (adapters, "incompatible tensors")]:
+                            (no_layers, "num_layers"), (adapters, "incompatible tensors")]:
         model = path if folder is not adapters else fixture_model(other)["hf"]  # another model's shapes
         with pytest.raises(MTPLoadError, match="cannot apply the adapters"):
             load(str(model), adapter_path=folder)

@@ -154,6 +154,7 @@ CASES = [
      "response_format.json_schema.schema.minimum"),
     (completion(logit_bias={"999999": 5}), 400, "logit_bias"),
     (chat(logit_bias={"5": None}), 400, "logit_bias.5"),
+    (chat(reasoning_effort="maximal"), 400, "reasoning_effort"),
     (completion(max_tokens=0), 400, "max_tokens"),
     (message(temperature=5), 400, "temperature"),
     (message(temperature=1.5), 400, "temperature"),

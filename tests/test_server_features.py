@@ -244,7 +244,8 @@ def test_the_server_s_template_variables_hold_unless_a_request_sets_its_own(star
         "messages": lambda oai, ant, **kw: ant.messages.create(model="m", max_tokens=1, messages=user, **kw),
     }
     cases = [("chat", {}), ("chat", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}),
-             ("chat", {"extra_body": {"enable_thinking": True}}),
+             ("chat", {"extra_body": {"enable_thinking": True}}), ("chat", {"reasoning_effort": "high"}),
+             ("chat", {"reasoning_effort": "minimal"}),
              ("responses", {}), ("responses", {"reasoning": {"effort": "high"}}),
              ("messages", {}), ("messages", {"thinking": {"type": "adaptive"}}),
              ("messages", {"thinking": {"type": "enabled", "budget_tokens": 100}}),
@@ -259,8 +260,8 @@ def test_the_server_s_template_variables_hold_unless_a_request_sets_its_own(star
             opens[name, api, json.dumps(kw)] = prompt.endswith("<think>\n")
     # In the order of `cases`: thinking opens where the request asks for it, else as the
     # server says (the template's default: open).
-    assert [opens["quiet", api, json.dumps(kw)] for api, kw in cases] == [0, 1, 1, 0, 1, 0, 0, 1, 0]
-    assert [opens["default", api, json.dumps(kw)] for api, kw in cases] == [1, 1, 1, 1, 1, 1, 1, 1, 0]
+    assert [opens["quiet", api, json.dumps(kw)] for api, kw in cases] == [0, 1, 1, 1, 0, 0, 1, 0, 0, 1, 0]
+    assert [opens["default", api, json.dumps(kw)] for api, kw in cases] == [1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0]
     _, ant = clients(quiet)
     m = ant.messages.create(model="m", max_tokens=1, messages=user, thinking={"type": "adaptive"})
     n = ant.messages.count_tokens(model="m", messages=user, thinking={"type": "adaptive"}).input_tokens

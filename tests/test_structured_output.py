@@ -153,6 +153,14 @@ def test_a_schema_it_cannot_enforce_and_a_forced_call_are_400s(server):
             "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
         assert message in r.json()["error"]["message"], r.text
+    # Keywords that constrain nothing are no reason to refuse; a property named like one is a property.
+    for schema in [{"type": "array", "uniqueItems": False},
+                   {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "string"}},
+                   {"type": "object", "properties": {"uniqueItems": {"type": "boolean"}, "not": {"type": "string"}}}]:
+        ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": ok})
+        assert r.status_code == 200, (schema, r.text)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
         "model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools,

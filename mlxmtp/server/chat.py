@@ -204,6 +204,22 @@ RENDERING_ARGUMENTS = frozenset({
 })
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def effort_thinking(tok, effort: Optional[str], label: str) -> Optional[bool]:
+    """OpenAI's reasoning effort (`reasoning_effort`, Responses' `reasoning.effort`) as the
+    template's enable_thinking: 'none' / 'minimal' off, the others on; None where no effort
+    is given or the template has no such switch (then the server's default holds)."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"'{label}' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param=label)
+    if "enable_thinking" not in str(getattr(tok, "chat_template", None) or ""):
+        return None
+    return effort not in ("none", "minimal")
+
+
 def render(tok, messages: List[Message], tools: Optional[List[dict]] = None,
            enable_thinking: Optional[bool] = None, template_kwargs: Optional[dict] = None,
            continue_final: bool = False, param: str = "messages") -> Tuple[List[int], str, bool]:

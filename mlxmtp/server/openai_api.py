@@ -16,7 +16,14 @@ from starlette.responses import JSONResponse
 
 from ..engine.limits import MAX_TOP_LOGPROBS
 from ..mlxlm.token_text import token_bytes
-from .chat import RENDERING_ARGUMENTS, build_prompt, encode_prompt, openai_messages, openai_tools
+from .chat import (
+    RENDERING_ARGUMENTS,
+    build_prompt,
+    effort_thinking,
+    encode_prompt,
+    openai_messages,
+    openai_tools,
+)
 from .errors import APIError
 from .generation import Generation
 from .request_path import Reply, check_model, handle, new_generation, sse_data
@@ -177,9 +184,10 @@ class ChatReply(_OpenAIReply):
         return self.envelope("chat.completion", [choice], usage=_usage(gen))
 
 
-def _template_options(body: dict) -> Tuple[Optional[bool], dict]:
+def _template_options(tok, body: dict) -> Tuple[Optional[bool], dict]:
     """-> (enable_thinking, the other chat_template_kwargs). `enable_thinking` may come at
-    the top level or inside chat_template_kwargs; the top level wins."""
+    the top level or inside chat_template_kwargs (the top level wins), else from OpenAI's
+    `reasoning_effort`."""
     kwargs = dict(field(body, "chat_template_kwargs", dict, default={}))
     for name in sorted(RENDERING_ARGUMENTS & set(kwargs)):
         raise APIError(400, f"'chat_template_kwargs.{name}' is not allowed: the request may set the "
@@ -189,6 +197,8 @@ def _template_options(body: dict) -> Tuple[Optional[bool], dict]:
     if thinking is None and "enable_thinking" in kwargs:
         thinking = field(kwargs, "enable_thinking", bool, label="chat_template_kwargs.enable_thinking")
     kwargs.pop("enable_thinking", None)
+    if thinking is None:
+        thinking = effort_thinking(tok, field(body, "reasoning_effort", str), "reasoning_effort")
     return thinking, kwargs
 
 
@@ -212,7 +222,7 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
     if choice == "none":
         tools = None
     _check_n(body)
-    thinking, kwargs = _template_options(body)
+    thinking, kwargs = _template_options(state.tok, body)
     want_lp, top_n = _chat_logprob_fields(body)
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional
 
-from .chat import left_out, tool_arguments
+from .chat import effort_thinking, left_out, tool_arguments
 from .errors import APIError
 from .validation import field
 
 if TYPE_CHECKING:  # the type only: responses_tools imports this module
     from .responses_tools import Tools
 
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _SUMMARIES = ("auto", "concise", "detailed", "none")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -198,15 +197,11 @@ def thinking_flag(state, body: dict) -> Optional[bool]:
     if reasoning is None:
         return None
     effort = field(reasoning, "effort", str, label="reasoning.effort")
-    if effort is not None and effort not in _EFFORTS:
-        raise bad(f"'reasoning.effort' must be one of {', '.join(_EFFORTS)}, got {effort!r}", "reasoning.effort")
     summary = field(reasoning, "summary", str, label="reasoning.summary")
     if summary is not None and summary not in _SUMMARIES:
         raise bad(f"'reasoning.summary' must be one of {', '.join(_SUMMARIES)}, got {summary!r}",
                    "reasoning.summary")
-    if effort is None or "enable_thinking" not in str(getattr(state.tok, "chat_template", None) or ""):
-        return None
-    return effort not in ("none", "minimal")
+    return effort_thinking(state.tok, effort, "reasoning.effort")
 
 
 def check_accepted(body: dict) -> None:

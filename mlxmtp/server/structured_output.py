@@ -93,6 +93,32 @@ _OPTIONS = {"whitespace_pattern": r"[ \t\n\r]{0,64}", "lenient": True}
 
 
 _UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's warning, then a JSON list of the keywords
+# Where a JSON schema holds schemas: one, a list of them, a map of names to them.
+_ONE = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_no_ops(schema):
+    """The schema less keywords that constrain nothing, which llguidance would still report
+    as not enforced: `uniqueItems: false`, a `propertyNames` every key satisfies (JSON keys
+    are strings; zod writes one for records). Only schema positions are read: a property
+    *named* uniqueItems stays."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if (key, value) == ("uniqueItems", False) or (key == "propertyNames" and value in ({}, True, {"type": "string"})):
+            continue
+        if key in _LISTS and isinstance(value, list):
+            value = [without_no_ops(v) for v in value]
+        elif key in _MAPS and isinstance(value, dict):
+            value = {name: without_no_ops(v) for name, v in value.items()}
+        elif key in _ONE:
+            value = without_no_ops(value)
+        out[key] = value
+    return out
 
 
 def grammar_for(schema: dict, where: str) -> str:
@@ -102,7 +128,7 @@ def grammar_for(schema: dict, where: str) -> str:
     import llguidance  # on use, as above
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(without_no_ops(schema), defaults=_OPTIONS)
         failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, _ll_tokenizer())
         error = "; ".join(warnings) if failed else ""
     except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising

@@ -54,8 +54,8 @@ def check_values(value: Any, path: str = "") -> None:
             _encodable(v, p)
         elif isinstance(v, float) and not math.isfinite(v):
             name = p or "body"
-            raise APIError(400, f"'{name}' must be a finite number, got {v} (NaN and Infinity are not JSON)",
-                           param=name)
+            raise APIError(400, f"'{name}' must be a finite number, got {v} (NaN and Infinity are not JSON; "
+                                "numbers beyond 1.8e308 are read as Infinity)", param=name)
         elif isinstance(v, dict):
             for key, item in v.items():
                 _encodable(key, p)
