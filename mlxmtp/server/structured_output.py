@@ -129,26 +129,31 @@ def grammar_for(schema: dict, where: str) -> str:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(without_no_ops(schema), defaults=_OPTIONS)
-        failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, _ll_tokenizer())
-        error = "; ".join(warnings) if failed else ""
+        matcher = llguidance.LLMatcher(_ll_tokenizer(), grammar)  # compiles it: errors and warnings
+        error, warnings = (matcher.get_error() if matcher.is_error() else ""), matcher.get_grammar_warnings()
     except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising
         error, warnings = str(e) or type(e).__name__, []
     unenforced = sorted({key for w in warnings if w.startswith(_UNIMPLEMENTED)
                          for key in json.loads(w[len(_UNIMPLEMENTED):])})
     if not error and unenforced:
         error = "JSON Schema keywords this server cannot enforce: " + ", ".join(unenforced)
-    if not error and not _anything_allowed(llguidance.LLMatcher(_ll_tokenizer(), grammar)):
+    if not error and not _anything_allowed(matcher):
         error = "no JSON value satisfies this schema"
     if error:
         raise APIError(400, f"'{where}' cannot be enforced: {error}", param=where)
     return grammar
 
 
+def _allowed(matcher, n: int) -> np.ndarray:
+    """[n] bools: which of the first n token ids the matcher's grammar takes next."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return bits[:n].astype(np.bool_)
+
+
 def _anything_allowed(matcher) -> bool:
     """Whether the grammar lets the answer start: some token other than the end of text."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    allowed = set(np.flatnonzero(bits[: _MODEL["vocab_size"]]).tolist())
-    return bool(allowed - set(_MODEL["tok"].eos_token_ids))
+    allowed = np.flatnonzero(_allowed(matcher, _MODEL["vocab_size"])).tolist()
+    return bool(set(allowed) - set(_MODEL["tok"].eos_token_ids))
 
 
 def hold_to_format(req, tok, fmt, where: str, prompt) -> None:
@@ -191,8 +196,7 @@ class GrammarProcessor:
         held = self._held(context[self.prompt_len :].tolist())  # not the prompt: it may be 100K tokens
         if held is None or not self._reach(held):
             return logits
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = mx.array(bits[: logits.shape[-1]].astype(np.bool_))
+        allowed = mx.array(_allowed(self.matcher, logits.shape[-1]))
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _held(self, generated: List[int]) -> Optional[List[int]]:
