@@ -290,8 +290,10 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
 def _warn_if_beyond_wired(model: nn.Module, wired: Optional[int]) -> None:
     """mlx-lm's warning: weights near the recommended working set leave the caches little
     room, and decoding slows down as memory is swapped."""
+    if not wired:
+        return
     weights = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-    if wired and weights > 0.9 * wired:
+    if weights > 0.9 * wired:
         log.warning("the model's weights take %d MiB, close to the device's recommended working set of "
                     "%d MiB: decoding may be slow (see mlx-lm's notes on large models)",
                     weights >> 20, wired >> 20)

@@ -45,8 +45,8 @@ def check_values(value: Any, path: str = "") -> None:
     value may nest deeper than json_depth.MAX_DEPTH (echoed back, it could not be written)."""
     stack = [(value, path, 0)]
     while stack:
-        v, p, level = stack.pop()
-        if level > json_depth.MAX_DEPTH:
+        v, p, level = stack.pop()  # level: the arrays and objects `v` is inside
+        if isinstance(v, (dict, list)) and level >= json_depth.MAX_DEPTH:  # as json_depth.depth counts
             top = p.split(".")[0].split("[")[0]
             raise APIError(400, f"'{top}' is nested deeper than {json_depth.MAX_DEPTH} levels (at {p[:120]}...)",
                            param=top)
