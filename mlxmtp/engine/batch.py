@@ -32,7 +32,7 @@ from ..mlxlm import adapter
 from . import calibration, cycle, head_inputs, memory, scheduler
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
-from .limits import MAX_DRAFT_DEPTH
+from .limits import MAX_DRAFT_DEPTH, PREFILL_STEP
 from .output import emit_cycle
 from .pieces import cycle_modes, model_pieces, shared_policy
 from .prefill import Prefiller
@@ -46,7 +46,7 @@ from .verify import draft_picker
 
 class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
-                 max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = 512,
+                 max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = PREFILL_STEP,
                  prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
                  shape_stable: Optional[bool] = None, pipeline_drafts: bool = False,
                  compile_steps: bool = False, memory_bytes: int = 0):

@@ -5,3 +5,6 @@ A module without imports, so the CLIs can read them without loading MLX.
 
 MAX_DRAFT_DEPTH = 4  # the deepest draft the engine runs
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+# Prompt tokens a prefill chunk takes by default: how long the batch's decoding may wait
+# for one chunk of a long prompt, against each chunk's own overheads.
+PREFILL_STEP = 512

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 from pathlib import Path
@@ -12,12 +13,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import memory
 from ..engine.batch import BatchGenerator
+from ..engine.limits import PREFILL_STEP
 from ..engine.pieces import model_pieces
 from ..engine.prefix_cache import default_budget
 from ..mlxlm.family import text_parts
@@ -39,13 +42,16 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
                compile_steps: bool = False, memory_mb: Optional[int] = None,
                sampling_defaults: Optional[dict] = None, chat_template_args: Optional[dict] = None,
+               default_max_tokens: Optional[int] = None, prefill_step: int = PREFILL_STEP,
+               allowed_origins: Sequence[str] = (),
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
     request leaves unset (None: greedy decoding); `chat_template_args` are the template's
     variables for every request (a request's own win: see ServerState.template_kwargs);
-    request bodies over `max_body_mb` MiB get
-    413. Any model name is answered (under the name asked for) unless `strict_model_name`:
+    `default_max_tokens` caps the output of requests that set no limit (None: the context's
+    end; completions: 16, as OpenAI's); request bodies over `max_body_mb` MiB get 413;
+    `allowed_origins` are the web origins browsers may call it from (CORS; none by default). Any model name is answered (under the name asked for) unless `strict_model_name`:
     then only the model id and its aliases.
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
     distributed server passes its own)."""
@@ -53,7 +59,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     mtp_active, reason = _mtp_status(model, enable_mtp)
     metrics = Metrics()
     options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts,
-                             compile_steps, memory_mb)
+                             compile_steps, memory_mb, prefill_step)
     log.info("prefix cache: up to %d MiB", options["prefix_cache_bytes"] >> 20)
     args = text_parts(model).args
     serve_tokenizer(tok, args.vocab_size)  # what response formats are compiled for
@@ -69,33 +75,37 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                         aliases=_served_aliases(model_id, aliases),
                         request_hook=request_hook, strict_model_name=strict_model_name,
                         sampling_defaults=dict(sampling_defaults or {}),
-                        chat_template_args=dict(chat_template_args or {}))
+                        chat_template_args=dict(chat_template_args or {}), default_max_tokens=default_max_tokens)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        bridge.start()
-        try:
-            yield
-        finally:
-            bridge.stop()
-
-    app = Starlette(routes=_routes(state), lifespan=lifespan, exception_handlers=_EXCEPTION_HANDLERS)
+    app = Starlette(routes=_routes(state), lifespan=functools.partial(_engine_running, bridge),
+                    exception_handlers=_EXCEPTION_HANDLERS)
     app.state.server = state
-    return _Outer(app, state, api_key, int(max_body_mb * 2**20))
+    return _Outer(app, state, api_key, int(max_body_mb * 2**20), allowed_origins)
+
+
+@contextlib.asynccontextmanager
+async def _engine_running(bridge: EngineBridge, app):
+    """The app's lifespan: the engine thread runs while the server does."""
+    bridge.start()
+    try:
+        yield
+    finally:
+        bridge.stop()
 
 
 def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int,
                    prefix_cache_mb: Optional[int], pipeline_drafts: bool, compile_steps: bool = False,
-                   memory_mb: Optional[int] = None) -> dict:
+                   memory_mb: Optional[int] = None, prefill_step: int = PREFILL_STEP) -> dict:
     """The server's engine settings (every rank of a distributed server builds its engine
     from these); `prefix_cache_mb`, `memory_mb` None: the machine's defaults
-    (prefix_cache.default_budget, memory.default_budget)."""
+    (prefix_cache.default_budget, memory.default_budget); `prefill_step`: prompt tokens a
+    prefill chunk takes."""
     weights = _weight_bytes(model)
     budget = default_budget(weights) if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
     caches = memory.default_budget(weights) if memory_mb is None else int(memory_mb) * 2**20
     return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
                 prefix_cache_bytes=budget, pipeline_drafts=pipeline_drafts, compile_steps=compile_steps,
-                memory_bytes=caches)
+                memory_bytes=caches, prefill_step=prefill_step)
 
 
 def _context_in_memory(model, mtp: bool, context_length: int, memory_bytes: int) -> int:
@@ -195,17 +205,26 @@ def _materialize(model) -> None:
 
 class _Outer:
     """Pure ASGI wrapper (not BaseHTTPMiddleware, which breaks streaming disconnects):
+    CORS (Starlette's middleware, outermost: a browser's preflight carries no API key),
     API-key check, the request body limit and per-endpoint request counting."""
 
-    def __init__(self, app: Starlette, state: ServerState, api_key: Optional[str], max_body: int):
+    def __init__(self, app: Starlette, state: ServerState, api_key: Optional[str], max_body: int,
+                 allowed_origins: Sequence[str] = ()):
         self.app = app
         self.state = app.state  # tests and tools reach the ServerState as app.state.server
         self.api_key = api_key
         self.max_body = max_body
+        self.entry = self._guarded
+        if allowed_origins:
+            self.entry = CORSMiddleware(self._guarded, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                        allow_headers=["*"], expose_headers=["x-mlxmtp-warning"], max_age=600)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        await self.entry(scope, receive, send)
+
+    async def _guarded(self, scope, receive, send):
         path = scope["path"]
         status = {"code": 500}
 

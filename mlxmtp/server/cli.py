@@ -11,6 +11,7 @@ import socket
 import click
 
 from ..engine.cli_options import ADAPTER_PATH, drafting_options
+from ..engine.limits import PREFILL_STEP
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -31,6 +32,16 @@ log = logging.getLogger("mlxmtp.server")
               help="Reject longer prompts with 400.")
 @click.option("--context-length", default=None, type=click.IntRange(min=1),
               help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
+@click.option("--max-tokens", "default_max_tokens", default=None, type=click.IntRange(min=1),
+              help="Output tokens of requests that set no limit (default: up to the context's end; "
+                   "completions 16, as OpenAI's). A request's own max_tokens is kept.")
+@click.option("--prefill-step-size", "prefill_step", default=PREFILL_STEP, show_default=True,
+              type=click.IntRange(min=16),
+              help="Prompt tokens prefilled per step: larger chunks prefill long prompts faster, smaller ones "
+                   "keep other requests' tokens flowing while a long prompt is read.")
+@click.option("--allowed-origins", default=None, callback=lambda ctx, param, value: _origins(value),
+              help="Comma-separated web origins (https://host:port) browsers may call the API from, or '*' "
+                   "for any (CORS). Default: none.")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Largest request body in MiB; bigger ones get 413.")
 @click.option("--prefix-cache-mb", default=None, type=click.IntRange(min=0),
@@ -75,7 +86,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
           dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None, chat_template=None,
-          chat_template_args=None, adapter_path=None):
+          chat_template_args=None, adapter_path=None, default_max_tokens=None, prefill_step=PREFILL_STEP,
+          allowed_origins=()):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
     _check_api_key(api_key)  # before the (slow) model load
@@ -90,7 +102,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     if group is None or group.rank() == 0:
         _check_address(host, port)  # before the (slow) model load, as the API key
     settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
-                    pipeline_drafts=pipeline_drafts, compile_steps=compile_steps)
+                    pipeline_drafts=pipeline_drafts, compile_steps=compile_steps, prefill_step=prefill_step)
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
                    draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path)
     if group is not None and group.rank() > 0:
@@ -98,7 +110,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 
         return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, num_draft, max_concurrent,
                                                                    prefix_cache_mb, pipeline_drafts, compile_steps,
-                                                                   memory_mb))
+                                                                   memory_mb, prefill_step))
     name = model or "mlxmtp-demo"
     _log_start(model, m, num_draft, host, api_key)
     _check_changes(tok, adapter_path, chat_template, chat_template_args)
@@ -112,6 +124,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                      api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name, chat_template_args=chat_template_args,
+                     default_max_tokens=default_max_tokens, prefill_step=prefill_step,
+                     allowed_origins=allowed_origins,
                      sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .shutdown import run_server
@@ -177,6 +191,20 @@ def _chat_template(value):
     if "{{" in value or "{%" in value:
         return value
     raise click.BadParameter(f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template")
+
+
+def _origins(value) -> tuple:
+    """--allowed-origins: '*' or origins as browsers send them (scheme://host[:port], no
+    path), which CORS compares exactly: 'http://localhost:3000/' would never match."""
+    if value is None:
+        return ()
+    origins = tuple(o.strip() for o in value.split(",") if o.strip())
+    for o in origins:
+        scheme, sep, rest = o.partition("://")
+        if o != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+            raise click.BadParameter(f"{o!r} is not an origin: give scheme://host[:port] with no path, "
+                                     "or '*'", param_hint="--allowed-origins")
+    return origins
 
 
 def _template_args(value):

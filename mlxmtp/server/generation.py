@@ -32,11 +32,14 @@ def context_error(state, n_prompt: int, anthropic: bool, param: str = "messages"
 
 
 def output_budget(state, n_prompt: int, requested, anthropic: bool = False, param: str = "messages") -> int:
-    """max_tokens for a prompt of n_prompt tokens: the request's, capped at the room left in
-    the context (and the room left is the default); a prompt that leaves none is a 400."""
+    """max_tokens for a prompt of n_prompt tokens: the request's (else the server's default,
+    --max-tokens), capped at the room left in the context (the room left when neither is
+    set); a prompt that leaves none is a 400."""
     room = state.context_length - n_prompt
     if room < 1 or (state.max_prompt_tokens and n_prompt > state.max_prompt_tokens):
         raise context_error(state, n_prompt, anthropic, param)
+    if requested is None:
+        requested = state.default_max_tokens
     return room if requested is None else min(requested, room)
 
 

@@ -37,6 +37,9 @@ from .validation import (
     token_ids,
 )
 
+# A completion's max_tokens when the request sets none and the server no default: OpenAI's.
+COMPLETION_TOKENS = 16
+
 
 # ------------------------------------------------------------------ models
 def _model_card(state, name: str) -> dict:
@@ -304,7 +307,7 @@ def _prepare_completion(state, raw: bytes) -> Tuple[Generation, CompletionReply]
     lp_n = field(body, "logprobs", int, minimum=0, maximum=5)
     stream, include_usage = _stream_flags(body)
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
-    max_tokens = field(body, "max_tokens", int, minimum=1, default=16)
+    max_tokens = field(body, "max_tokens", int, minimum=1, default=state.default_max_tokens or COMPLETION_TOKENS)
     gen = new_generation(state, body, ids, max_tokens, params, None, stop=string_list(body, "stop"), logprobs=lp_n,
                          param="prompt")
     return gen, CompletionReply(state, model, stream, include_usage, lp_n)
