@@ -157,11 +157,16 @@ def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from tqdm import tqdm
 
-    from .models.load import load  # (as above)
+    from .models.load import ModelLoadError, load  # (as above)
 
     lengths = _int_list(prompt_tokens, "--prompt-tokens", 1)
+    if not lengths:
+        raise click.BadParameter("give at least one prompt length", param_hint="--prompt-tokens")
     fixed = _int_list(depths, "--depths", 1, MAX_DRAFT_DEPTH)
-    m, tok = load(model, mtp=True, mtp_fallback=True)
+    try:
+        m, tok = load(model, mtp=True, mtp_fallback=True)
+    except ModelLoadError as e:
+        raise click.ClickException(str(e)) from e
     tok._eos_token_ids = set()  # every run generates exactly -g tokens (mlx_lm.benchmark does the same)
     settings = [("mlx-lm", None)] * (not no_mlx_lm) + [("MTP off", 0)]
     if m.active:

@@ -15,13 +15,19 @@ def _tokenizer_and_config(model: str):
     """(model folder, mlx-lm tokenizer with the model's EOS ids, config); a Hugging Face
     repo id downloads the tokenizer and configs only."""
     # On use: `mlxmtp` start-up imports every subcommand module.
-    from huggingface_hub import snapshot_download
+    from ..models.load import ModelLoadError, check_model_folder, hub_snapshot
 
     path = Path(model).expanduser()
-    if not path.exists():
-        path = Path(snapshot_download(model, allow_patterns=TOKENIZER_FILES))
-    config = load_config(path)  # merges generation_config's eos_token_id, as mlx_lm.load does
-    return path, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")), config
+    try:
+        if not path.exists():
+            path = hub_snapshot(model, TOKENIZER_FILES)
+        check_model_folder(path, weights=False)
+        config = load_config(path)  # merges generation_config's eos_token_id, as mlx_lm.load does
+        return path, load_tokenizer(path, eos_token_ids=config.get("eos_token_id")), config
+    except ModelLoadError as e:
+        raise click.ClickException(str(e)) from e
+    except (OSError, ValueError) as e:  # not a model folder: no config.json, or no tokenizer
+        raise click.ClickException(f"cannot read a model's config and tokenizer in {path}: {e}") from e
 
 
 @click.command("draft-vocab")

@@ -10,6 +10,10 @@ import click
 
 from .cli_options import ADAPTER_PATH, drafting_options
 
+# The options that set SamplingParams' fields (its errors name the field first).
+SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                    "seed": "--seed"}
+
 
 @click.command()
 @click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model).")
@@ -39,20 +43,20 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    if not enable_mtp and num_draft is not None:
+        click.echo("warning: --num-draft has no effect with --disable-mtp", err=True)
     group = launched_group()
     engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
                           compile_steps=compile_steps)
     m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path)
-    if no_chat_template or tok.chat_template is None:
-        ids = tok.encode(prompt)
-    else:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids, max_tokens = _prompt_ids(m, tok, prompt, not no_chat_template, max_tokens)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     try:
         params.validate(m.parts.args.vocab_size)
     except ValueError as e:
-        raise click.BadParameter(str(e)) from e
+        field = str(e).split(" ", 1)[0]
+        raise click.BadParameter(str(e), param_hint=SAMPLING_OPTIONS.get(field)) from e
     engine_options["enable_mtp"] = enable_mtp and m.active
     t0 = time.perf_counter()
     res = _run(m, tok, ids, group, plan, dist_timeout, engine_options, max_tokens=max_tokens, params=params)
@@ -64,6 +68,25 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     if group is not None:
         stats["distributed"] = res.distributed
     _report(res, stats, m, profile, as_json)
+
+
+def _prompt_ids(m, tok, prompt: str, chat_template: bool, max_tokens: int):
+    """(token ids, max_tokens capped at the room the model's context leaves): the prompt
+    through the chat template, where the model has one and it is wanted."""
+    if chat_template and tok.chat_template is not None:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = tok.encode(prompt)
+    if not ids:
+        raise click.BadParameter("the prompt is empty", param_hint="--prompt")
+    context = m.parts.args.max_position_embeddings
+    if len(ids) >= context:
+        raise click.BadParameter(f"the prompt's {len(ids)} tokens fill the model's context of {context}",
+                                 param_hint="--prompt")
+    if max_tokens > context - len(ids):
+        click.echo(f"warning: --max-tokens {max_tokens} capped at {context - len(ids)}, the room the model's "
+                   f"context of {context} tokens leaves", err=True)
+    return ids, min(max_tokens, context - len(ids))
 
 
 def _report(res, stats: dict, m, profile: bool, as_json: bool) -> None:
@@ -92,7 +115,7 @@ def _load(model, group, engine_options: dict, **load_options):
     """(model, tokenizer, plan): the whole model, or this rank's share under mlx.launch."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import SetupMismatchError
-    from ..models.load import MTPLoadError, load
+    from ..models.load import ModelLoadError, load
 
     try:
         if group is None:
@@ -100,7 +123,7 @@ def _load(model, group, engine_options: dict, **load_options):
         from ..distributed.load import load_on_rank  # on use, as above
 
         return load_on_rank(group, model, {**engine_options, **load_options}, **load_options)
-    except (MTPLoadError, SetupMismatchError) as e:
+    except (ModelLoadError, SetupMismatchError) as e:
         raise click.ClickException(str(e)) from e
 
 

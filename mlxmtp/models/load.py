@@ -18,6 +18,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from mlx.utils import tree_flatten, tree_map
 
 from ..checkpoint import hf_head, mtp_folder, tensor_files
@@ -35,9 +36,15 @@ REPAIR_HINT = (
     " (or serve without MTP: drop --enable-mtp, or add --mtp-fallback)."
 )
 HIDDEN_STATES = ("post_norm", "pre_norm")
+HEAD_CONFIG_KEYS = {"expert_layout", "num_experts", "num_layers", "moe"}  # what an mtp/config.json must have
 
 
-class MTPLoadError(ValueError):
+class ModelLoadError(ValueError):
+    """The model cannot be loaded (no such folder or repo, not a model, unreadable files);
+    the message says which and why, in one line the CLIs print as is."""
+
+
+class MTPLoadError(ModelLoadError):
     """The model has no usable MTP head; the message says why and how to repair it."""
 
 
@@ -98,7 +105,35 @@ def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None,
     if p.exists():
         return p
     weights = ["*.safetensors"] if weight_files is None else list(weight_files)
-    return Path(snapshot_download(path_or_hf_id, revision=revision, allow_patterns=CONFIG_FILES + weights))
+    return hub_snapshot(path_or_hf_id, CONFIG_FILES + weights, revision)
+
+
+def hub_snapshot(repo_id: str, patterns: list, revision: Optional[str] = None) -> Path:
+    """The files of a Hugging Face repo matching `patterns`, through huggingface_hub. A
+    name that is a path (no such folder here) or a fetch that fails is a ModelLoadError."""
+    if repo_id.startswith((".", "/", "~")) or repo_id.count("/") > 1:
+        raise ModelLoadError(f"no such model folder: {repo_id}")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except HFValidationError:
+        raise ModelLoadError(f"{repo_id} is neither a model folder nor a Hugging Face repo id") from None
+    except LocalEntryNotFoundError as e:
+        raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face, and it is not in the local cache "
+                             f"({str(e).strip().splitlines()[0]})") from e
+    except (HfHubHTTPError, OSError, ValueError) as e:  # no such repo, no access, a disk error
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face: {why}") from e
+
+
+def check_model_folder(model_dir: Path, weights: bool = True) -> None:
+    """Refuse, in one line, a folder mlx-lm could only fail on with a traceback (`weights`:
+    one that must hold the weights, not only the configs and tokenizer)."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir} is not a folder: give a model folder or a Hugging Face repo id")
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} is not a model folder: it has no config.json")
+    if weights and not any(model_dir.glob("*.safetensors")):
+        raise ModelLoadError(f"{model_dir} is not a model folder: it has no *.safetensors weights")
 
 
 def locate_head(model_dir: Path) -> Optional[HeadSource]:
@@ -106,12 +141,37 @@ def locate_head(model_dir: Path) -> Optional[HeadSource]:
     (fine-tunes and most quantized conversions keep `mtp_num_hidden_layers` and drop the tensors)."""
     model_dir = Path(model_dir)
     if mtp_folder.has_mtp_folder(model_dir):
-        config = json.loads((model_dir / mtp_folder.FOLDER / mtp_folder.CONFIG).read_text())
-        return HeadSource("mtp_folder", model_dir / mtp_folder.FOLDER, config=config)
+        folder = model_dir / mtp_folder.FOLDER
+        try:
+            config = json.loads((folder / mtp_folder.CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise MTPLoadError(_unreadable_head(model_dir, f"its {mtp_folder.CONFIG}: {e}")) from e
+        if not isinstance(config, dict) or not HEAD_CONFIG_KEYS <= config.keys() or (
+                config.get("format"), config.get("format_version")) != (mtp_folder.FORMAT, mtp_folder.FORMAT_VERSION):
+            raise MTPLoadError(_unreadable_head(model_dir, f"its {mtp_folder.CONFIG} is not that of an mlxmtp head "
+                                                           f"folder of format version {mtp_folder.FORMAT_VERSION}"))
+        return HeadSource("mtp_folder", folder, config=config)
     files = hf_head.mtp_tensor_files(model_dir)
     if files:
         return HeadSource("hf_checkpoint", model_dir, tensors=files)
     return None
+
+
+def _unreadable_head(model_dir: Path, why: str) -> str:
+    return (f"the MTP head in {model_dir} cannot be read ({why}). Rebuild it with: mlxmtp add-mtp-weights "
+            f"--model {model_dir} --source <BF16 HF checkpoint or repo id> --force")
+
+
+def read_head(model_dir: Path) -> Optional[tuple]:
+    """(HeadSource, head_weights(...)) of the model's head, None when it has none; a head
+    whose files cannot be read (cut short, another format) is an MTPLoadError."""
+    source = locate_head(model_dir)
+    if source is None:
+        return None
+    try:
+        return source, head_weights(source)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # RuntimeError: MLX's safetensors reader
+        raise MTPLoadError(_unreadable_head(model_dir, str(e))) from e
 
 
 def head_weights(source: HeadSource) -> tuple[Dict[str, mx.array], dict, Optional[dict]]:
@@ -205,8 +265,13 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
     if hidden_state not in HIDDEN_STATES:
         raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
     parts = text_parts(model)
-    source = locate_head(model_dir)
-    if source is None:
+    try:
+        found = read_head(model_dir)
+    except MTPLoadError as e:  # a head that cannot be read: as a missing one where MTP may fall back
+        if required:
+            raise
+        return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=str(e))
+    if found is None:
         reason = (
             f"{model_name or model_dir} has no MTP head: no mtp.* tensors in its safetensors and no "
             f"{mtp_folder.FOLDER}/ folder (quantized conversions usually drop it). "
@@ -215,12 +280,11 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         if required:
             raise MissingMTPHeadError(reason)
         return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=reason)
-    else:
-        weights, info, quantization = head_weights(source)
-        head = build_head(parts, weights, info, quantization)
-        check_norm_convention(parts, head)
-        vocab = _draft_vocab(parts, model_dir, draft_vocab, draft_vocab_file,
-                             compute_dtype=head.fc.weight.dtype if not quantization else None)
+    source, (weights, info, quantization) = found
+    head = build_head(parts, weights, info, quantization)
+    check_norm_convention(parts, head)
+    vocab = _draft_vocab(parts, model_dir, draft_vocab, draft_vocab_file,
+                         compute_dtype=head.fc.weight.dtype if not quantization else None)
     return MTPModel(model, parts, head, source, info, hidden_state, vocab=vocab)
 
 
@@ -257,19 +321,12 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     if path_or_hf_id is None:
         path_or_hf_id = str(demo_model_path())
     model_dir = resolve_model_path(str(path_or_hf_id), revision)
+    check_model_folder(model_dir)
+    if pipeline is not None and adapter_path is not None:
+        raise MTPLoadError("adapters are not supported across ranks: fuse them into the model first "
+                           "(mlx_lm.fuse) and serve the fused folder")
     wired = loading.wire_recommended_memory()
-    tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
-    if pipeline is not None:
-        if adapter_path is not None:
-            raise MTPLoadError("adapters are not supported across ranks: fuse them into the model first "
-                               "(mlx_lm.fuse) and serve the fused folder")
-        model, tokenizer = loading.load_pipelined(model_dir, *pipeline, tokenizer_config=tokenizer_config)
-    else:
-        try:
-            model, tokenizer = loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config,
-                                            adapter_path=adapter_path)
-        except loading.AdapterError as e:
-            raise MTPLoadError(str(e)) from e
+    model, tokenizer = _load_backbone(model_dir, pipeline, lazy, chat_template, adapter_path)
     _warn_if_beyond_wired(model, wired)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
@@ -287,6 +344,20 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     return mtp_model, tokenizer
 
 
+def _load_backbone(model_dir: Path, pipeline, lazy: bool, chat_template: Optional[str], adapter_path):
+    """(model, tokenizer) as mlx-lm loads them; what mlx-lm fails on (a config it cannot
+    read, weights cut short, a model type it does not know) is a one-line ModelLoadError."""
+    tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
+    try:
+        if pipeline is not None:
+            return loading.load_pipelined(model_dir, *pipeline, tokenizer_config=tokenizer_config)
+        return loading.load(model_dir, lazy=lazy, tokenizer_config=tokenizer_config, adapter_path=adapter_path)
+    except loading.AdapterError as e:
+        raise MTPLoadError(str(e)) from e
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: MLX's safetensors reader
+        raise ModelLoadError(f"cannot load the model in {model_dir}: {e}") from e
+
+
 def _warn_if_beyond_wired(model: nn.Module, wired: Optional[int]) -> None:
     """mlx-lm's warning: weights near the recommended working set leave the caches little
     room, and decoding slows down as memory is swapped."""
@@ -302,7 +373,11 @@ def _warn_if_beyond_wired(model: nn.Module, wired: Optional[int]) -> None:
 def inspect_model(path_or_hf_id: str) -> dict:
     """What `mlxmtp inspect` prints; reads configs and safetensors headers only."""
     model_dir = resolve_model_path(path_or_hf_id)
-    config = json.loads((model_dir / "config.json").read_text())
+    check_model_folder(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from e
     family = family_of(config)
     tcfg = text_config(config)
     quant = config.get("quantization")

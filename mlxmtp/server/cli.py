@@ -96,6 +96,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
 
     logging.getLogger("mlxmtp").setLevel(log_level.upper())
     want_mtp = enable_mtp is not False
+    if not want_mtp and num_draft is not None:
+        log.warning("--num-draft has no effect with --disable-mtp")
     # Without an explicit --enable-mtp a headless model simply runs without MTP.
     fallback = mtp_fallback or enable_mtp is None
     group = launched_group()
@@ -127,10 +129,17 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                      default_max_tokens=default_max_tokens, prefill_step=prefill_step,
                      allowed_origins=allowed_origins,
                      sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
+    _run(app, host, port, log_level, shutdown_timeout)
+
+
+def _run(app, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
+    """Serve `app` until a signal ends it (shutdown.run_server)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .shutdown import run_server
 
-    log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)", host, port)
+    if port:  # port 0: the port the system picks, which uvicorn's own start-up line gives
+        log.info("serving on http://%s:%d/v1 (OpenAI) and /v1/messages (Anthropic)",
+                 f"[{host}]" if ":" in host else host, port)
     run_server(app, host=host, port=port, log_level=log_level.lower(), shutdown_timeout=shutdown_timeout)
 
 
@@ -233,7 +242,7 @@ def _load(model, group, settings: dict, **load_options):
     """(model, tokenizer): the whole model, or this rank's share under mlx.launch."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import SetupMismatchError
-    from ..models.load import MTPLoadError, load
+    from ..models.load import ModelLoadError, load
 
     try:
         if group is None:
@@ -245,7 +254,7 @@ def _load(model, group, settings: dict, **load_options):
             log.info("distributed: %d ranks, pipeline split, layers per rank %s",
                      group.size(), [r.layers for r in plan.ranks])
         return m, tok
-    except (MTPLoadError, SetupMismatchError) as e:
+    except (ModelLoadError, SetupMismatchError) as e:
         raise click.ClickException(str(e)) from e
 
 
