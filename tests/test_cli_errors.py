@@ -83,10 +83,11 @@ def repaired(tmp_path_factory):
     model = write_mlx_conversion(hf, root / "mlx", bits=4)
     res = CliRunner().invoke(main, ["add-mtp-weights", "--model", str(model), "--source", str(hf)])
     assert res.exit_code == 0, res.output
-    return model
+    return model, hf
 
 
-def _break_head(model, tmp_path, how: str):
+def _break_head(repaired, tmp_path, how: str):
+    model, _ = repaired
     broken = tmp_path / how
     shutil.copytree(model, broken)
     if how == "cut_weights":
@@ -164,3 +165,17 @@ def test_the_address_served_is_written_as_a_url(caplog):
         _run(None, "::1", 8080, "info", 1.0)
         _run(None, "127.0.0.1", 8081, "info", 1.0)
     assert "serving on http://[::1]:8080/v1" in caplog.text and "http://127.0.0.1:8081/v1" in caplog.text
+
+
+def test_a_head_an_interrupted_repair_left_aside_is_pointed_at(repaired, tmp_path):
+    model, hf = repaired
+    shutil.copytree(model, tmp_path / "m")
+    (tmp_path / "m" / "mtp").rename(tmp_path / "m" / ".mtp-old-999999999")  # as a run killed mid-swap leaves it
+    res = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "m"), "-p", "x", "-m", "2", "--enable-mtp"])
+    assert res.exit_code == 1, res.output
+    assert "an interrupted mlxmtp add-mtp-weights left the head in" in res.output and ".mtp-old-999999999" in res.output
+    res = CliRunner().invoke(main, ["add-mtp-weights", "--model", str(tmp_path / "m"), "--source", str(hf)])
+    assert res.exit_code == 0 and "restored the previous head" in res.output, res.output
+    res = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "m"), "-p", "x", "-m", "2", "--enable-mtp",
+                                    "--json"])
+    assert res.exit_code == 0 and json.loads(res.output.strip().splitlines()[-1])["stats"]["mtp_active"]

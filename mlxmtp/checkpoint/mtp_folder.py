@@ -14,20 +14,27 @@ top-level `*.safetensors` file, and `mtp.*` keys there break its strict load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
+
+from .tensor_files import read_header
 
 FOLDER = "mtp"
 CONFIG = "config.json"
 WEIGHTS = "weights.safetensors"
 FORMAT = "mlxmtp-mtp-head"
 FORMAT_VERSION = 1
+# Staging folders next to mtp/ (no loader reads them): the new head being written, and the
+# previous head while a replacement swaps them.
+TMP_PREFIX = ".mtp-tmp-"
+OLD_PREFIX = ".mtp-old-"
 
 
 class MTPFolderError(ValueError):
@@ -63,6 +70,33 @@ def has_mtp_folder(model_dir: Path) -> bool:
     return (Path(model_dir) / FOLDER / CONFIG).exists() and (Path(model_dir) / FOLDER / WEIGHTS).exists()
 
 
+def folder_problem(folder: Path) -> Optional[str]:
+    """Why `folder` is not a whole head folder as `write_mtp_folder` leaves one (None: it is):
+    a file missing, a config of another format, a weights file whose header does not parse or
+    whose data is cut short. Reads the config and the weights' header only."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "not a folder"
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            return f"no {name}"
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable {CONFIG}: {e}"
+    if not isinstance(config, dict) or (config.get("format"), config.get("format_version")) != (FORMAT, FORMAT_VERSION):
+        return f"its {CONFIG} is not that of an mlxmtp head folder of format version {FORMAT_VERSION}"
+    try:
+        header, start = read_header(folder / WEIGHTS)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        size = (folder / WEIGHTS).stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"unreadable {WEIGHTS}: {e}"
+    if size < start + end:
+        return f"{WEIGHTS} is cut short ({size} of {start + end} bytes)"
+    return None
+
+
 def read_mtp_folder(model_dir: Path) -> Tuple[dict, Dict[str, mx.array]]:
     folder = Path(model_dir) / FOLDER
     config = json.loads((folder / CONFIG).read_text())
@@ -75,33 +109,138 @@ def read_mtp_folder(model_dir: Path) -> Tuple[dict, Dict[str, mx.array]]:
     return config, mx.load(str(folder / WEIGHTS))
 
 
-def write_mtp_folder(model_dir: Path, config: dict, weights: Dict[str, mx.array], *, force: bool = False) -> Path:
-    """Write `mtp/` atomically: a temporary sibling folder, then one rename.
+# ---------------------------------------------------------------------------
+# Writing: a staging folder, then renames; and the repair of a killed replacement
+# ---------------------------------------------------------------------------
 
-    A crash at any point leaves either no `mtp/` (or the previous one) or a complete one.
+
+def check_writable(model_dir: Path) -> None:
+    """Raise OSError where `write_mtp_folder` could not make its staging folder."""
+    os.rmdir(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=model_dir))
+
+
+def write_mtp_folder(model_dir: Path, config: dict, weights: Dict[str, mx.array], *, force: bool = False) -> Path:
+    """Write `mtp/` atomically: a staging folder `.mtp-tmp-PID-*`, then a rename.
+
+    A crash leaves `mtp/` as it was (none, or the previous head) or the complete new one,
+    plus at most a staging folder no loader reads. `force` replaces an existing `mtp/` with
+    two renames (old -> `.mtp-old-PID`, new -> `mtp/`); an exception between them puts the
+    old one back, and a kill between them (`mtp/` missing) is undone by `recover_swap`, which
+    moves the complete new head (else the old one) into place.
     """
     model_dir = Path(model_dir)
     final = model_dir / FOLDER
-    if final.exists() and not force:
+    if os.path.lexists(final) and not force:
         raise MTPFolderError(f"{final} already exists (use --force to replace it)")
-    tmp = Path(tempfile.mkdtemp(prefix=".mtp-tmp-", dir=model_dir))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the model folder's readers need it too
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=model_dir))
     try:
-        mx.save_safetensors(str(tmp / WEIGHTS), weights, metadata={"format": "mlx"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if final.exists():
-            old = model_dir / f".mtp-old-{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the model folder's readers need it too
+        _fill(tmp, config, weights)
+        _swap(model_dir, tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _fill(tmp: Path, config: dict, weights: Dict[str, mx.array]) -> None:
+    """Weights first, then config.json by a rename: a staging folder with a config.json is
+    whole (what `recover_swap` relies on). Data on disk before any rename makes it visible."""
+    mx.save_safetensors(str(tmp / WEIGHTS), weights, metadata={"format": "mlx"})
+    part = tmp / f"{CONFIG}.part"
+    part.write_text(json.dumps(config, indent=2) + "\n")
+    for f in (tmp / WEIGHTS, part):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    os.replace(part, tmp / CONFIG)
+
+
+def _swap(model_dir: Path, tmp: Path, final: Path) -> None:
+    """`tmp` -> `final`; a previous `final` is moved aside first and removed after."""
+    if not os.path.lexists(final):
+        os.replace(tmp, final)
+        return
+    old = model_dir / f"{OLD_PREFIX}{os.getpid()}"
+    _remove(old)  # a leftover of an earlier call of this process would block the rename
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)  # the previous head back where it was
+        raise
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _staging_pid(path: Path) -> Optional[int]:
+    """The PID in a staging folder's name (`.mtp-tmp-PID-xyz`, `.mtp-old-PID`), if any."""
+    parts = path.name.split("-")
+    return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+
+
+def _in_use(path: Path) -> bool:
+    """Whether the run that made staging folder `path` is still running (another process)."""
+    pid = _staging_pid(path)
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except PermissionError:
+        return True  # exists, another user's
+    except (OSError, OverflowError):
+        return False
+    return True
+
+
+def leftovers(model_dir: Path) -> List[Path]:
+    """Staging folders of runs that are over (killed, or crashed past their cleanup)."""
+    model_dir = Path(model_dir)
+    found = sorted(model_dir.glob(f"{TMP_PREFIX}*")) + sorted(model_dir.glob(f"{OLD_PREFIX}*"))
+    return [p for p in found if not _in_use(p)]
+
+
+def interrupted_head(model_dir: Path) -> Optional[Path]:
+    """With `mtp/` missing: the whole head a killed run left, the newest new one (its
+    staging folder was complete) else the previous one it had moved aside; None if none."""
+    model_dir = Path(model_dir)
+    if os.path.lexists(model_dir / FOLDER):
+        return None
+    whole = [p for p in leftovers(model_dir) if folder_problem(p) is None]
+    for prefix in (TMP_PREFIX, OLD_PREFIX):
+        found = [p for p in whole if p.name.startswith(prefix)]
+        if found:
+            return max(found, key=lambda p: p.stat().st_mtime)
+    return None
+
+
+def recover_swap(model_dir: Path, *, dry_run: bool = False) -> List[str]:
+    """Finish what a killed run left: a whole head back into a missing `mtp/`
+    (`interrupted_head`), the other staging folders of finished runs removed. Lines saying
+    what was done (`dry_run`: what would be, nothing is touched). Raises OSError."""
+    model_dir = Path(model_dir)
+    final = model_dir / FOLDER
+    notes = []
+    head = interrupted_head(model_dir)
+    if head is not None:
+        which = "its new head" if head.name.startswith(TMP_PREFIX) else "the previous head"
+        notes.append(f"{final} is missing after an interrupted run: "
+                     f"{'would restore' if dry_run else 'restored'} {which} from {head.name}")
+        if not dry_run:
+            os.replace(head, final)
+    stale = [p for p in leftovers(model_dir) if p != head]
+    if stale:
+        notes.append(f"{'would remove' if dry_run else 'removed'} what interrupted runs left: "
+                     + ", ".join(p.name for p in stale))
+        if not dry_run:
+            for p in stale:
+                _remove(p)
+    return notes

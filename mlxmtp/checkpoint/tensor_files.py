@@ -8,6 +8,7 @@ converter promises a bounded footprint (see convert/add_mtp_weights.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -30,6 +31,8 @@ def read_header(path: Path) -> Tuple[Dict[str, dict], int]:
     """(tensor name -> {dtype, shape, data_offsets}, offset where the data starts)."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
+        if n > os.fstat(f.fileno()).st_size - 8:  # a cut or foreign file: never read (allocate) n bytes
+            raise ValueError(f"{Path(path).name}: not a safetensors file (header length {n} past its end)")
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return header, 8 + n

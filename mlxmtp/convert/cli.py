@@ -1,5 +1,7 @@
 """`mlxmtp add-mtp-weights`: put the MTP head back into a quantized MLX model folder."""
 
+from pathlib import Path
+
 import click
 
 
@@ -24,7 +26,8 @@ def add_mtp_weights(model_dir, source, bits, group_size, mode, revision, dry_run
     Reads only the source shards holding mtp.* tensors, converts them as mlx-lm converts the
     main layers (norm +1 once, experts stacked / split), quantizes like the model (router and
     shared_expert_gate as the model's main layers), validates against the model, and writes
-    MODEL/mtp/ atomically, on the CPU.
+    MODEL/mtp/ atomically, on the CPU. Options are checked before any work, and a head that a
+    killed earlier run left half-swapped is put back first.
     """
     # On use: `mlxmtp` start-up imports every subcommand module, and this one pulls in mlx_lm.
     from .add_mtp_weights import AddMTPError
@@ -34,7 +37,12 @@ def add_mtp_weights(model_dir, source, bits, group_size, mode, revision, dry_run
         try:
             group_size = int(group_size)
         except ValueError:
-            raise click.BadParameter("must be auto or an integer", param_hint="--group-size") from None
+            group_size = 0
+        if group_size <= 0:
+            raise click.BadParameter("must be auto or a positive integer", param_hint="--group-size")
+    if revision is not None and Path(source).expanduser().is_dir():
+        raise click.BadParameter(f"applies to a Hugging Face repo id only; --source {source} is a local folder",
+                                 param_hint="--revision")
     try:
         run(model_dir, source, bits=bits, group_size=group_size, mode=mode, dry_run=dry_run,
             force=force, revision=revision, echo=click.echo)

@@ -51,14 +51,25 @@ def _snapshot(repo_id: str, patterns: List[str], revision: Optional[str], progre
         raise AddMTPError(f"could not fetch {patterns} of {repo_id!r} from Hugging Face: {e}") from e
 
 
+def local_source(source: str, revision: Optional[str] = None) -> Optional[Path]:
+    """The local folder `source` names (None: a repo id, or nothing); a revision is refused
+    with a folder, as `--revision` is for a Hugging Face repo id only."""
+    p = Path(source).expanduser()
+    if not p.is_dir():
+        return None
+    if revision is not None:
+        raise AddMTPError(f"--revision applies to a Hugging Face repo id only; --source {source} is a local folder")
+    return p
+
+
 def fetch_source(source: str, *, shards: bool = True, revision: Optional[str] = None,
                  progress: bool = True) -> Tuple[Path, Dict[str, str]]:
     """(folder, {mtp tensor: shard}). An HF id downloads config + index, then (if `shards`)
     only the shards that hold `mtp.*` tensors."""
+    local = local_source(source, revision)
+    if local is not None:
+        return local, hf_head.mtp_tensor_files(local)
     p = Path(source).expanduser()
-    if p.is_dir():
-        files = hf_head.mtp_tensor_files(p)
-        return p, files
     if p.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise AddMTPError(f"source {source!r} is neither a model folder nor a Hugging Face repo id")
     base = ["config.json", "model.safetensors.index.json"]
@@ -134,9 +145,14 @@ class Plan:
 
 
 def existing_head(model_dir: Path) -> Optional[str]:
+    """Why the model already has a usable head (None: it has none). An `mtp/` folder that is
+    not whole counts as none: the loader reports no head (or an unreadable one) for it."""
     model_dir = Path(model_dir)
-    if (model_dir / mtp_folder.FOLDER).exists():
-        return f"{model_dir / mtp_folder.FOLDER} exists"
+    folder = model_dir / mtp_folder.FOLDER
+    if os.path.lexists(folder) and mtp_folder.folder_problem(folder) is None:
+        return f"{folder} exists"
+    if mtp_folder.has_mtp_folder(model_dir):  # the loader reads this broken folder, not the shards
+        return None
     files = hf_head.mtp_tensor_files(model_dir)
     if files:
         return f"its own safetensors hold {len(files)} mtp.* tensors ({', '.join(sorted(set(files.values())))})"
@@ -166,7 +182,7 @@ def plan(model_dir, source: str, *, download: bool = True, revision: Optional[st
     """Read configs and headers (no tensor data): the source shards, the jobs and their
     shapes, the source dtype (the jobs' quantization is `quantization.choose_quantization`'s)."""
     model_dir = Path(model_dir)
-    target_config, family = _target_config(model_dir)
+    target_config, family = read_target_config(model_dir)
     source_dir, files = fetch_source(source, shards=download, revision=revision, progress=progress)
     source_config = json.loads((source_dir / "config.json").read_text()) \
         if (source_dir / "config.json").exists() else {}
@@ -181,11 +197,14 @@ def plan(model_dir, source: str, *, download: bool = True, revision: Optional[st
     return p
 
 
-def _target_config(model_dir: Path) -> Tuple[dict, str]:
+def read_target_config(model_dir: Path) -> Tuple[dict, str]:
     """(config, family) of the MLX model folder to repair."""
     if not (model_dir / "config.json").exists():
         raise AddMTPError(f"{model_dir} is not an MLX model folder (no config.json)")
-    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AddMTPError(f"{model_dir / 'config.json'} cannot be read: {e}") from e
     try:
         return config, family_of(config)
     except UnsupportedModelError as e:

@@ -8,11 +8,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..mlxlm.family import text_config, text_parts
 from .plan import AddMTPError, Plan
-from .target import head_skeleton
+from .target import cpu, head_skeleton
 
 # mlx-lm's defaults per quantization mode (utils.quantize_model: defaults_for_mode).
 MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -21,10 +22,25 @@ MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8":
 def _parse_bits(bits) -> Optional[int]:
     if bits in (None, "auto"):
         return None
-    b = int(bits)
+    try:
+        b = int(bits)
+    except (TypeError, ValueError):
+        b = None
     if b not in (2, 3, 4, 5, 6, 8, 16):
         raise AddMTPError(f"--bits must be auto, 2, 3, 4, 5, 6, 8 or 16 (got {bits})")
     return b
+
+
+def _parse_group_size(group_size) -> Optional[int]:
+    if group_size in (None, "auto"):
+        return None
+    try:
+        gs = int(group_size)
+    except (TypeError, ValueError):
+        gs = 0
+    if gs <= 0:
+        raise AddMTPError(f"--group-size must be auto or a positive integer (got {group_size})")
+    return gs
 
 
 _LAYER_SUFFIX = re.compile(r"(?:^|\.)layers\.\d+\.(.+)$")
@@ -60,43 +76,77 @@ class QuantRequest:
     group_size: int
     mode: str
     target: Optional[dict]  # the target config's quantization; None for an unquantized target
-
-    @property
-    def origin(self) -> str:
-        return "target config" if self.target else "target is unquantized"
+    origin: str = "auto: target config"  # where the bits and group size not given came from
 
 
 def quant_request(target_config: dict, bits="auto", group_size="auto", mode="auto") -> QuantRequest:
+    """The options resolved and checked, before any work: `auto` takes the target's setting
+    where the target is quantized in the same mode, else the mode's own (mxfp4, nvfp4, mxfp8
+    allow one group size and bits only); a combination MLX refuses is an AddMTPError."""
     tq = target_config.get("quantization") or text_config(target_config).get("quantization")
-    want_bits = _parse_bits(bits)
-    if mode in (None, "auto"):
+    want_bits, gs = _parse_bits(bits), _parse_group_size(group_size)
+    asked_mode = mode not in (None, "auto")
+    if not asked_mode:
         mode = (tq or {}).get("mode", "affine")
     if mode not in MODE_DEFAULTS:
         raise AddMTPError(f"--mode must be auto or one of {sorted(MODE_DEFAULTS)} (got {mode})")
-    if want_bits is None:
-        want_bits = int(tq["bits"]) if tq else 16
-    if group_size in (None, "auto"):
-        gs = int(tq["group_size"]) if tq and "group_size" in tq else MODE_DEFAULTS[mode][0]
+    if tq and tq.get("mode", "affine") == mode:
+        like = (int(tq["bits"]), int(tq.get("group_size", MODE_DEFAULTS[mode][0])), "target config")
+    elif tq or asked_mode:
+        like = (MODE_DEFAULTS[mode][1], MODE_DEFAULTS[mode][0], f"{mode} defaults")
     else:
-        gs = int(group_size)
-    return QuantRequest(want_bits, gs, mode, tq)
+        like = (16, MODE_DEFAULTS[mode][0], "target is unquantized")
+    origin = "as given" if want_bits is not None and gs is not None else f"auto: {like[2]}"
+    req = QuantRequest(like[0] if want_bits is None else want_bits, like[1] if gs is None else gs,
+                       mode, tq, origin)
+    _check_mlx_takes(req, bits, group_size, asked_mode)
+    return req
 
 
-def choose_quantization(p: Plan, target, *, bits="auto", group_size="auto", mode="auto") -> None:
-    """Each job's quantization and the head's (mlx-lm style) quantization dict: as asked,
-    `auto` like the target, each path treated as the target's main layers treat it."""
-    req = quant_request(p.target_config, bits, group_size, mode)
+# Group sizes past this are refused without asking MLX (its trial array has 8 groups: nvfp4
+# refuses a single group of 16).
+_MAX_GROUP_SIZE = 1 << 16
+
+
+def _check_mlx_takes(req: QuantRequest, bits, group_size, asked_mode: bool) -> None:
+    """Quantize a tiny array as the head would be: MLX's own rules, refused in one line."""
+    if req.bits == 16:
+        return
+    shown = " ".join(f"{opt} {val}{'' if given else ' (auto)'}" for opt, val, given in (
+        ("--mode", req.mode, asked_mode), ("--bits", req.bits, bits not in (None, "auto")),
+        ("--group-size", req.group_size, group_size not in (None, "auto"))))
+    why = None
+    if req.group_size > _MAX_GROUP_SIZE:
+        why = "group size too large"
+    else:
+        try:
+            with cpu():
+                mx.eval(*mx.quantize(mx.zeros((1, 8 * req.group_size)), group_size=req.group_size,
+                                     bits=req.bits, mode=req.mode))
+        except (ValueError, RuntimeError) as e:
+            why = str(e).removeprefix("[quantize]").strip()
+    if why:
+        raise AddMTPError(f"cannot quantize the head with {shown}: {why}")
+
+
+def choose_quantization(p: Plan, target, *, bits="auto", group_size="auto", mode="auto",
+                        req: Optional[QuantRequest] = None) -> None:
+    """Each job's quantization and the head's (mlx-lm style) quantization dict: as asked
+    (`req`, else `quant_request` of the options), `auto` like the target, each path treated as
+    the target's main layers treat it."""
+    req = req or quant_request(p.target_config, bits, group_size, mode)
     for job in p.jobs:
         job.quant = None
     if req.bits == 16:
         p.quantization = None
-        p.choice = [f"quantization: none, head kept in the source dtype {p.dtype} (--bits 16 / {req.origin})"]
+        p.choice = [f"quantization: none, head kept in the source dtype {p.dtype} "
+                    f"({'--bits 16' if req.target else 'target is unquantized'})"]
         return
     default = {"group_size": req.group_size, "bits": req.bits, "mode": req.mode}
     p.quantization, notes = _quantize_jobs(p, target, default, req.target)
-    src = "--bits" if bits not in (None, "auto") else req.origin
-    p.choice = [f"quantization: {req.bits}-bit, group size {req.group_size}, mode {req.mode} ({src}); "
-                f"scales in the source dtype {p.dtype}"] + notes
+    scales = f"scales in the source dtype {p.dtype}" if req.mode == "affine" else "scales 8-bit"
+    p.choice = [f"quantization: {req.bits}-bit, group size {req.group_size}, mode {req.mode} "
+                f"({req.origin}); {scales}"] + notes
 
 
 def _quantize_jobs(p: Plan, target, default: dict, tq: Optional[dict]) -> Tuple[dict, List[str]]:

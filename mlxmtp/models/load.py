@@ -272,11 +272,7 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
             raise
         return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=str(e))
     if found is None:
-        reason = (
-            f"{model_name or model_dir} has no MTP head: no mtp.* tensors in its safetensors and no "
-            f"{mtp_folder.FOLDER}/ folder (quantized conversions usually drop it). "
-            + REPAIR_HINT.format(model=model_dir)
-        )
+        reason = _missing_head(model_name or str(model_dir), Path(model_dir))
         if required:
             raise MissingMTPHeadError(reason)
         return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=reason)
@@ -286,6 +282,16 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
     vocab = _draft_vocab(parts, model_dir, draft_vocab, draft_vocab_file,
                          compute_dtype=head.fc.weight.dtype if not quantization else None)
     return MTPModel(model, parts, head, source, info, hidden_state, vocab=vocab)
+
+
+def _missing_head(name: str, model_dir: Path) -> str:
+    """Why a model has no head, and the command that gives it one."""
+    left = mtp_folder.interrupted_head(model_dir)
+    if left is not None:  # the loader never moves it itself: model folders may be read-only caches
+        return (f"{name} has no {mtp_folder.FOLDER}/ folder: an interrupted mlxmtp add-mtp-weights left the head "
+                f"in {left}, which running it again puts in place. " + REPAIR_HINT.format(model=model_dir))
+    return (f"{name} has no MTP head: no mtp.* tensors in its safetensors and no {mtp_folder.FOLDER}/ folder "
+            "(quantized conversions usually drop it). " + REPAIR_HINT.format(model=model_dir))
 
 
 def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Path], compute_dtype) -> DraftVocab:
