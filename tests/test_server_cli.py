@@ -251,8 +251,13 @@ def test_a_chat_template_that_cannot_render_is_refused_at_start(tmp_path):
     (["--chat-template-args", "[1]"], "must be a JSON object"),
     (["--chat-template-args", '{"add_generation_prompt": false}'], "add_generation_prompt: set by the server"),
     (["--chat-template-args", '{"enable_thinking": "no"}'], "enable_thinking must be true or false"),
+    (["--allowed-origins", "http://localhost:3000/"], "is not an origin"),
+    (["--allowed-origins", "localhost:3000"], "is not an origin"),
+    (["--allowed-origins", "ftp://a.example"], "is not an origin"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--prefill-step-size", "8"], "--prefill-step-size"),
 ])
-def test_bad_chat_template_options_are_refused_before_loading(args, message):
+def test_bad_serve_options_are_refused_before_loading(args, message):
     with mock.patch("mlxmtp.models.load.load") as load, mock.patch(RUN) as run:
         res = CliRunner().invoke(main, ["serve", *args])
     assert res.exit_code == 2 and message in res.output, res.output

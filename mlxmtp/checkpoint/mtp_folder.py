@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -70,6 +70,15 @@ def has_mtp_folder(model_dir: Path) -> bool:
     return (Path(model_dir) / FOLDER / CONFIG).exists() and (Path(model_dir) / FOLDER / WEIGHTS).exists()
 
 
+def config_problem(config, required: Iterable[str] = ()) -> Optional[str]:
+    """Why a parsed `mtp/config.json` is not one of this format holding the `required`
+    fields (None: it is)."""
+    if not isinstance(config, dict) or not set(required) <= config.keys() or (
+            config.get("format"), config.get("format_version")) != (FORMAT, FORMAT_VERSION):
+        return f"its {CONFIG} is not that of an mlxmtp head folder of format version {FORMAT_VERSION}"
+    return None
+
+
 def folder_problem(folder: Path) -> Optional[str]:
     """Why `folder` is not a whole head folder as `write_mtp_folder` leaves one (None: it is):
     a file missing, a config of another format, a weights file whose header does not parse or
@@ -84,8 +93,9 @@ def folder_problem(folder: Path) -> Optional[str]:
         config = json.loads((folder / CONFIG).read_text())
     except (OSError, ValueError) as e:
         return f"unreadable {CONFIG}: {e}"
-    if not isinstance(config, dict) or (config.get("format"), config.get("format_version")) != (FORMAT, FORMAT_VERSION):
-        return f"its {CONFIG} is not that of an mlxmtp head folder of format version {FORMAT_VERSION}"
+    problem = config_problem(config)
+    if problem:
+        return problem
     try:
         header, start = read_header(folder / WEIGHTS)
         end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)

@@ -198,7 +198,7 @@ def add_mtp_weights(model_dir, source: str, *, bits="auto", group_size="auto", m
     p = plan(model_dir, source, download=not dry_run, revision=revision, progress=progress)
     echo(p.describe())
     validate(p, target)  # before the quantization: that builds a head of the source's shape
-    choose_quantization(p, target, req=req)
+    choose_quantization(p, target, req)
     echo("\n".join(p.choice))
     if dry_run:
         if not p.tensors:

@@ -129,12 +129,10 @@ def _check_mlx_takes(req: QuantRequest, bits, group_size, asked_mode: bool) -> N
         raise AddMTPError(f"cannot quantize the head with {shown}: {why}")
 
 
-def choose_quantization(p: Plan, target, *, bits="auto", group_size="auto", mode="auto",
-                        req: Optional[QuantRequest] = None) -> None:
+def choose_quantization(p: Plan, target, req: QuantRequest) -> None:
     """Each job's quantization and the head's (mlx-lm style) quantization dict: as asked
-    (`req`, else `quant_request` of the options), `auto` like the target, each path treated as
-    the target's main layers treat it."""
-    req = req or quant_request(p.target_config, bits, group_size, mode)
+    (`req`: `quant_request` of the options), `auto` like the target, each path treated as the
+    target's main layers treat it."""
     for job in p.jobs:
         job.quant = None
     if req.bits == 16:

@@ -36,7 +36,7 @@ REPAIR_HINT = (
     " (or serve without MTP: drop --enable-mtp, or add --mtp-fallback)."
 )
 HIDDEN_STATES = ("post_norm", "pre_norm")
-HEAD_CONFIG_KEYS = {"expert_layout", "num_experts", "num_layers", "moe"}  # what an mtp/config.json must have
+HEAD_CONFIG_KEYS = ("expert_layout", "num_experts", "num_layers", "moe")  # the layout an mtp/config.json gives
 
 
 class ModelLoadError(ValueError):
@@ -146,10 +146,9 @@ def locate_head(model_dir: Path) -> Optional[HeadSource]:
             config = json.loads((folder / mtp_folder.CONFIG).read_text())
         except (OSError, ValueError) as e:
             raise MTPLoadError(_unreadable_head(model_dir, f"its {mtp_folder.CONFIG}: {e}")) from e
-        if not isinstance(config, dict) or not HEAD_CONFIG_KEYS <= config.keys() or (
-                config.get("format"), config.get("format_version")) != (mtp_folder.FORMAT, mtp_folder.FORMAT_VERSION):
-            raise MTPLoadError(_unreadable_head(model_dir, f"its {mtp_folder.CONFIG} is not that of an mlxmtp head "
-                                                           f"folder of format version {mtp_folder.FORMAT_VERSION}"))
+        problem = mtp_folder.config_problem(config, HEAD_CONFIG_KEYS)
+        if problem:
+            raise MTPLoadError(_unreadable_head(model_dir, problem))
         return HeadSource("mtp_folder", folder, config=config)
     files = hf_head.mtp_tensor_files(model_dir)
     if files:
@@ -178,7 +177,7 @@ def head_weights(source: HeadSource) -> tuple[Dict[str, mx.array], dict, Optiona
     """(parameters in MTPHead naming, layout info, quantization) for a located head."""
     if source.location == "mtp_folder":
         config, weights = mtp_folder.read_mtp_folder(source.path.parent)
-        info = {k: config[k] for k in ("expert_layout", "num_experts", "num_layers", "moe")}
+        info = {k: config[k] for k in HEAD_CONFIG_KEYS}
         return weights, info, config.get("quantization")
     tensors = hf_head.load_mtp_tensors(source.path, source.tensors)
     weights, info = hf_head.convert_hf_head(tensors)

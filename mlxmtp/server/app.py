@@ -51,8 +51,9 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     variables for every request (a request's own win: see ServerState.template_kwargs);
     `default_max_tokens` caps the output of requests that set no limit (None: the context's
     end; completions: 16, as OpenAI's); request bodies over `max_body_mb` MiB get 413;
-    `allowed_origins` are the web origins browsers may call it from (CORS; none by default). Any model name is answered (under the name asked for) unless `strict_model_name`:
-    then only the model id and its aliases.
+    `allowed_origins` are the web origins browsers may call it from (CORS; none by default).
+    Any model name is answered (under the name asked for) unless `strict_model_name`: then
+    only the model id and its aliases.
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
     distributed server passes its own)."""
     _materialize(model)
