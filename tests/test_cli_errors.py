@@ -8,6 +8,7 @@ head that cannot be read, naming the folder and what to do.
 import json
 import logging
 import shutil
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -44,17 +45,20 @@ def models(tmp_path_factory):
         "no_weights": (str(root / "no_weights"), "it has no *.safetensors weights"),
         "bad_config": (str(root / "bad_config"), "bad_config"),
         "not_a_repo_id": ("a/b/c", "no such model folder: a/b/c"),
+        # Relative to `root` (the test's working folder), where a folder `empty` exists.
+        "beside_a_folder": ("empty/qwen", "no such model folder: empty/qwen"),
     }
 
 
-CASES = ["missing", "a_file", "empty", "no_weights", "bad_config", "not_a_repo_id"]
+CASES = ["missing", "a_file", "empty", "no_weights", "bad_config", "not_a_repo_id", "beside_a_folder"]
 
 
 # draft-vocab reads a model's tokenizer and configs alone: a folder without weights is fine there.
 @pytest.mark.parametrize("command, case", [(c, case) for c in COMMANDS for case in CASES
                                            if (c, case) != ("draft-vocab", "no_weights")])
-def test_a_path_that_is_no_model_is_one_line(models, command, case):
+def test_a_path_that_is_no_model_is_one_line(models, command, case, monkeypatch):
     path, words = models[case]
+    monkeypatch.chdir(Path(models["missing"][0]).parent)
     with mock.patch(RUN) as run:
         res = CliRunner().invoke(main, [*COMMANDS[command], path])
     assert res.exit_code == 1 and res.output.startswith("Error: "), res.output
@@ -71,7 +75,7 @@ def test_a_repo_that_cannot_be_fetched_is_one_line(command):
     assert res.exit_code == 1, res.output
     assert res.output.strip().splitlines() == [
         "Error: cannot fetch Qwen/Qwen3-Next-80B-A3B-Instruct from Hugging Face, and it is not in the local cache "
-        "(An error happened while trying to locate the files on the Hub.)"]
+        "(An error happened while trying to locate the files on the Hub.); nor is it a folder here"]
     run.assert_not_called()
 
 

@@ -111,7 +111,7 @@ def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None,
 def hub_snapshot(repo_id: str, patterns: list, revision: Optional[str] = None) -> Path:
     """The files of a Hugging Face repo matching `patterns`, through huggingface_hub. A
     name that is a path (no such folder here) or a fetch that fails is a ModelLoadError."""
-    if repo_id.startswith((".", "/", "~")) or repo_id.count("/") > 1:
+    if _names_a_path(repo_id):
         raise ModelLoadError(f"no such model folder: {repo_id}")
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
@@ -119,10 +119,19 @@ def hub_snapshot(repo_id: str, patterns: list, revision: Optional[str] = None) -
         raise ModelLoadError(f"{repo_id} is neither a model folder nor a Hugging Face repo id") from None
     except LocalEntryNotFoundError as e:
         raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face, and it is not in the local cache "
-                             f"({str(e).strip().splitlines()[0]})") from e
+                             f"({str(e).strip().splitlines()[0]}); nor is it a folder here") from e
     except (HfHubHTTPError, OSError, ValueError) as e:  # no such repo, no access, a disk error
         why = " ".join(str(e).split()) or type(e).__name__
-        raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face: {why}") from e
+        raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face: {why}; nor is it a folder here") from e
+
+
+def _names_a_path(name: str) -> bool:
+    """Whether a missing model name can only be meant as a path: absolute, relative to
+    `.` or `~`, more than one folder deep, or `owner/name` where a folder `owner` exists
+    here (`models/qwen` beside the other models, not a repo of a user called models)."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return True
+    return "/" in name and Path(name).parent.is_dir()
 
 
 def check_model_folder(model_dir: Path, weights: bool = True) -> None:
