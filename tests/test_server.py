@@ -161,13 +161,18 @@ def test_logprobs_carry_each_token_s_own_bytes_and_offsets(oai, server):
 
 
 def test_sampling_params_and_seed(oai):
-    # Pinned depth: with adaptive MTP the engine's random-key use depends on the depth
-    # it picks (timing-based), so seeded outputs repeat only at a fixed depth.
-    kw = dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
-              extra_body={"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1, "num_draft": 0})
-    a = chat(oai, "sample", presence_penalty=0.5, frequency_penalty=0.2, **kw).choices[0].message.content
-    b = chat(oai, "sample", presence_penalty=0.5, frequency_penalty=0.2, **kw).choices[0].message.content
-    assert a == b  # same seed, same output
+    # Same seed, same output, whatever depth the request is drafted at (engine/seeded.py):
+    # MTP off, pinned depths and the adaptive policy's own choice.
+    kw = dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.2)
+    opts = {"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1}
+    texts = [chat(oai, "sample", **kw, extra_body={**opts, **depth}).choices[0].message.content
+             for depth in ({"num_draft": 0}, {"num_draft": 3}, {"num_draft": 1}, {})]
+    assert len(set(texts)) == 1, texts
+    other = chat(oai, "sample", **{**kw, "seed": 8}, extra_body=opts).choices[0].message.content
+    assert other != texts[0]
+    completions = [oai.completions.create(model=MODEL, prompt="def f(", max_tokens=10, temperature=1.0, seed=5,
+                                          extra_body=depth).choices[0].text for depth in ({"num_draft": 0}, {})]
+    assert completions[0] == completions[1]
     r = chat(oai, "sample", max_completion_tokens=3)
     assert r.usage.completion_tokens == 3
 

@@ -51,7 +51,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path)
     ids, max_tokens = _prompt_ids(m, tok, prompt, not no_chat_template, max_tokens)
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                            reproducible=seed is not None)
     try:
         params.validate(m.parts.args.vocab_size)
     except ValueError as e:

@@ -44,7 +44,7 @@ class CycleSnapshot:
 
     Attention caches only move their per-row ends, settled or deferred (slots past an end
     are overwritten by the next write); Gated DeltaNet caches replace their state arrays, which are
-    immutable, so keeping references is enough; seeded samplers advance their keys."""
+    immutable, so keeping references is enough; samplers advance their keys (and reproducible ones their positions)."""
 
     def __init__(self, caches: List[Optional[list]], samplers: list):
         self._lengths = []
@@ -55,12 +55,12 @@ class CycleSnapshot:
                     self._lengths.append((c, list(c.lengths), list(c.deferred)))
                 elif isinstance(c, ArraysCache):
                     self._states.append((c, list(c.cache)))
-        self._keys = [(s, s.key) for s in samplers]
+        self._keys = [(s, s.key, s.position) for s in samplers]
 
     def restore(self) -> None:
         for c, lengths, deferred in self._lengths:
             c.lengths, c.deferred = lengths, deferred
         for c, state in self._states:
             c.cache = state
-        for sampler, key in self._keys:
-            sampler.key = key
+        for sampler, key, position in self._keys:
+            sampler.key, sampler.position = key, position

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, List, Optional, Sequence
 
-# The acceptance classes of rows (engine/state.acceptance_classes), and the two kinds of
-# batch a policy prices apart (`cost_kind`).
-GREEDY, SAMPLED = "greedy", "sampled"
+# The acceptance classes of rows (engine/state.acceptance_classes): greedy, sampled, and
+# sampled reproducibly (engine/seeded.py); the first two are also the kinds of batch a
+# policy prices apart (`cost_kind`).
+GREEDY, SAMPLED, REPRODUCIBLE = "greedy", "sampled", "reproducible"
 
 
 def cost_kind(classes: Optional[Sequence[Hashable]]) -> str:
     """SAMPLED if any row of the batch samples, else GREEDY: a cycle's cost depends on it
     (a sampled row's draft and accept steps make and compare whole distributions)."""
-    return SAMPLED if classes and SAMPLED in classes else GREEDY
+    return SAMPLED if classes and (SAMPLED in classes or REPRODUCIBLE in classes) else GREEDY
 
 
 class Policy:

@@ -7,7 +7,8 @@ Sampling (Leviathan et al. 2023, Chen et al. 2023): keep draft x with probabilit
 min(1, p(x) / q(x)); at the first rejection draw from normalize(max(p - q, 0)); when
 every draft is kept draw the bonus from p. p and q are the target's and the draft's
 distributions AFTER the request's processors, filters and temperature, which is
-what makes the output distribution exactly the target's.
+what makes the output distribution exactly the target's. Seeded requests are decided
+by another exact rule, whose output does not depend on the depth (seeded.py).
 
 Everything stays lazy on the device; the caller evaluates once per cycle.
 """

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from ..mlxlm.sampling import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from . import seeded
 from .limits import MAX_DRAFT_DEPTH
 
 GREEDY_BELOW = 1e-5  # temperatures and top_p below it decode greedily (SamplingParams.__post_init__)
@@ -33,6 +34,10 @@ class SamplingParams:
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
     seed: Optional[int] = None
+    # With a seed: decide every token by (seed, position) alone, so the output does not
+    # depend on the draft depth (engine/seeded.py). The server and `generate` set it for
+    # every seeded request; off, a seed only makes the engine's draws repeatable.
+    reproducible: bool = False
     logits_processors: List[Callable] = field(default_factory=list)
 
     def __post_init__(self):
@@ -116,13 +121,19 @@ def gumbel_rows(keys: mx.array, vocab: int) -> mx.array:
     return mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
 
 
-def next_keys(samplers: Sequence["RowSampler"]) -> mx.array:
+def next_keys(samplers: Sequence["RowSampler"], offset: int = 0) -> mx.array:
     """[B, 2]: the next key of every row, as each row's `next_key` would give it, in one
-    vectorised split (row by row it is a handful of ops each, paid in launches on a GPU)."""
+    vectorised split (row by row it is a handful of ops each, paid in launches on a GPU);
+    a reproducible row's is the key of its output position `offset` ahead (seeded.py)."""
     pairs = _split_rows(mx.stack([s.key for s in samplers]))
     for b, s in enumerate(samplers):
         s.key = pairs[b, 0]
-    return pairs[:, 1]
+    keys = pairs[:, 1]
+    rows = seeded.reproducible_rows(samplers)
+    if rows:
+        own = seeded.position_keys([samplers[b] for b in rows], mx.array([offset]))[:, 0]
+        keys = _put_rows(keys, rows, own)
+    return keys
 
 
 def filter_groups(samplers: Sequence["RowSampler"]) -> List[List[int]]:
@@ -193,6 +204,10 @@ class RowSampler:
         self.procs = params.processors()
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.key = mx.random.key(seed)  # split for every draw (`next_key`, `next_keys`)
+        # A reproducible row keys its draws by output position instead (seeded.py):
+        # `position` counts the tokens decided so far (an array, moved by cycles not read yet).
+        self.reproducible = params.reproducible and params.seed is not None and not params.greedy
+        self.base_key, self.position = self.key, mx.array(0, dtype=mx.uint32)
         self.filtered = 0 < params.top_p < 1.0 or params.min_p != 0.0 or params.top_k > 0
         # Rows without processors are drafted and decided together (verify.accept): the
         # temperature-only ones by one compiled step (`tempered_picks`), filtered ones by
@@ -214,7 +229,10 @@ class RowSampler:
         self.key, sub = mx.random.split(self.key)
         return sub
 
-    def _next_keys(self, n: int) -> mx.array:
+    def _next_keys(self, n: int, offset: int = 0) -> mx.array:
+        """Keys of n draws; a reproducible row's: of its positions offset .. offset + n - 1 ahead."""
+        if self.reproducible:
+            return seeded.position_keys([self], offset + mx.arange(n))[0]
         return mx.stack([self.next_key() for _ in range(n)])
 
     def context(self, tokens: List[int]) -> mx.array:
@@ -255,15 +273,16 @@ class RowSampler:
         lp = lp * (1.0 / p.temperature)
         return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
 
-    def draw(self, logits: mx.array) -> mx.array:
-        """Processed logits [T, V] -> one token per row, drawn from logprobs(logits)."""
+    def draw(self, logits: mx.array, offset: int = 0) -> mx.array:
+        """Processed logits [T, V] -> one token per row, drawn from logprobs(logits);
+        `offset`: of a reproducible row, how far ahead of its position row 0 lies."""
         if self.filtered:
-            return self.pick(logits)[0]
-        return tempered_draws(logits, self._inv_temps, self._next_keys(logits.shape[0]))
+            return self.pick(logits, offset)[0]
+        return tempered_draws(logits, self._inv_temps, self._next_keys(logits.shape[0], offset))
 
-    def pick(self, logits: mx.array):
+    def pick(self, logits: mx.array, offset: int = 0):
         """`draw` that also returns the log-probabilities [T, V] the draws came from."""
-        keys = self._next_keys(logits.shape[0])
+        keys = self._next_keys(logits.shape[0], offset)
         if not self.filtered:
             return tempered_picks(logits, self._inv_temps, keys)
         lp = self.logprobs(logits)

@@ -15,7 +15,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..mlxlm import adapter
-from .policy import GREEDY, SAMPLED
+from .policy import GREEDY, REPRODUCIBLE, SAMPLED
 from .proposer import Segment
 from .request import Request, RequestStats
 from .sampling import RowSampler
@@ -75,8 +75,10 @@ def to_resume(row: Row) -> Row:
 
 def acceptance_classes(rows: List[Row]) -> List[str]:
     # Greedy rows keep a draft only if it is the argmax; sampled rows by rejection sampling,
-    # which keeps far more deep drafts: the depth policy learns the two apart.
-    return [GREEDY if r.sampler.params.greedy else SAMPLED for r in rows]
+    # which keeps far more deep drafts; reproducible rows while drafts equal the target's
+    # token under shared noise (engine/seeded.py): the depth policy learns them apart.
+    return [GREEDY if r.sampler.params.greedy else REPRODUCIBLE if r.sampler.reproducible else SAMPLED
+            for r in rows]
 
 
 class Batch:

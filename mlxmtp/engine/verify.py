@@ -11,8 +11,9 @@ a sampled row makes its p and draws its random numbers from its own key). Then o
 vectorised step decides every row: greedy rows by argmax, sampled rows by rejection
 sampling against the distribution q their drafts were drawn from (the `draft_picker`
 below draws them from the same processed distribution the verifier's p comes from, the
-same two ways). Both ways give a row the same tokens; everything stays lazy, and the
-cycle evaluates it with the verify forward.
+same two ways), reproducible rows (a seeded request) by argmax agreement under noise
+keyed by their positions (seeded.py). Both ways give a row the same tokens; everything
+stays lazy, and the cycle evaluates it with the verify forward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
+from . import seeded
 from .failures import blame
 from .rejection_sampler import rows_noise, rules
 from .sampling import (
@@ -102,7 +104,9 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
         tables = logprob_table(logits, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
         return kept, tokens.astype(mx.int32), tables
     if not any(sm.live(len(c)) for sm, c in zip(meta.samplers, meta.contexts)):
-        return _accept_vectorised(meta, logits)
+        kept, tokens, tables = _accept_vectorised(meta, logits)
+        seeded.advance(meta.samplers, kept)
+        return kept, tokens, tables
     lg, p_rows, noise = [], [], []
     for b in range(B):  # each row's own code: processors, its p and random numbers
         with blame(meta.request_ids[b]):
@@ -118,6 +122,7 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
         kept, tokens = _accept_mixed(meta, lg, p_rows, noise)
     tokens = tokens.astype(mx.int32)
     tables = logprob_table(lg, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
+    seeded.advance(meta.samplers, kept)
     return kept.astype(mx.int32), tokens, tables
 
 
@@ -142,6 +147,7 @@ def _accept_vectorised(meta: VerifyMetadata, logits: mx.array):
         p = with_filtered_rows(base, logits, meta.samplers)
         u, g = rows_noise(keys, k, V)
         kept, tokens = accept_sampled_rows(p, meta.draft_logprobs.astype(p.dtype), meta.drafts, u, g)
+        kept, tokens = seeded.decide(meta.samplers, p, meta.drafts, kept, tokens)
         if any(greedy):
             kept_g, tokens_g = accept_greedy(logits, meta.drafts)
             mask = mx.array(greedy)
@@ -184,6 +190,7 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
         u = mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise])
         g = mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])
         kept_s, tokens_s = accept_sampled_rows(p, q.astype(p.dtype), drafts, u, g)
+        kept_s, tokens_s = seeded.decide(meta.samplers, p, drafts, kept_s, tokens_s)
         mask = mx.array(sampled)
         kept = mx.where(mask, kept_s, kept)
         tokens = mx.where(mask[:, None], tokens_s, tokens)
@@ -226,7 +233,7 @@ def _vectorised_picker(samplers: List[RowSampler]):
     tempered = any_tempered(samplers)  # else the filtered rows' steps alone
 
     def pick(step, logits, so_far):
-        keys = next_keys(samplers)
+        keys = next_keys(samplers, offset=step)
         if tempered:
             base = tempered_picks(logits, inv_temps, keys)
         else:
@@ -246,7 +253,7 @@ def _pick_row(s: RowSampler, context: List[int], logits: mx.array, so_far: mx.ar
         logits = s.process(logits, [ctx])
     if s.params.greedy:
         return mx.argmax(logits, axis=-1)[0], None
-    tok, lp = s.pick(logits)
+    tok, lp = s.pick(logits, offset=so_far.shape[-1])
     return tok[0], lp[0]
 
 
@@ -260,6 +267,7 @@ def sample_first(row: Row, logits: mx.array) -> int:
         tok = mx.argmax(lg, axis=-1)
     else:
         tok = row.sampler.draw(lg)
+        seeded.advance([row.sampler], mx.zeros((1,), mx.int32))
     if row.req.logprobs is not None:
         row.first_lp = logprob_table(lg, tok, row.req.logprobs)[0].tolist()
     return int(tok.item())

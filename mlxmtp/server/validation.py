@@ -171,7 +171,7 @@ def sampling_params(body: dict, vocab_size: int, *, anthropic: bool = False,
     return SamplingParams(
         temperature=float(temperature), top_p=float(top_p), top_k=max(0, top_k), min_p=float(min_p),
         repetition_penalty=rep, presence_penalty=pres or None, frequency_penalty=freq or None,
-        logit_bias=bias, seed=seed,
+        logit_bias=bias, seed=seed, reproducible=seed is not None,  # same seed, same text (engine/seeded.py)
     )
 
 
