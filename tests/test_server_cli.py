@@ -256,6 +256,14 @@ def test_a_chat_template_that_cannot_render_is_refused_at_start(tmp_path):
     (["--allowed-origins", "ftp://a.example"], "is not an origin"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--prefill-step-size", "8"], "--prefill-step-size"),
+    # mlx-lm's names (test_mlx_lm_options.py)
+    (["--num-draft-tokens", str(MAX_DRAFT_DEPTH + 1)], "'--num-draft' / '--num-draft-tokens'"),
+    (["--decode-concurrency", "0"], "'--max-concurrent' / '--decode-concurrency'"),
+    (["--prompt-cache-size", "0"], "--prompt-cache-size"),
+    (["--prompt-cache-bytes", "8K"], "Invalid value for --prompt-cache-bytes: '8K' is not a size"),
+    (["--prompt-cache-bytes", "-1"], "Invalid value for --prompt-cache-bytes: '-1' is not a size"),
+    (["--prompt-cache-bytes", "1M", "--prefix-cache-mb", "1"],
+     "--prompt-cache-bytes and --prefix-cache-mb both set the prefix cache's memory"),
 ])
 def test_bad_serve_options_are_refused_before_loading(args, message):
     with mock.patch("mlxmtp.models.load.load") as load, mock.patch(RUN) as run:

@@ -48,8 +48,8 @@ class BatchGenerator:
     def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
                  max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = PREFILL_STEP,
                  prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
-                 shape_stable: Optional[bool] = None, pipeline_drafts: bool = False,
-                 compile_steps: bool = False, memory_bytes: int = 0):
+                 shape_stable: Optional[bool] = None, pipeline_drafts: bool = False, compile_steps: bool = False,
+                 memory_bytes: int = 0, prefix_cache_entries: Optional[int] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.policy = shared_policy(model, max_depth, num_draft)
@@ -63,7 +63,7 @@ class BatchGenerator:
         self.pieces = model_pieces(model, enable_mtp, compile_steps)
         adapter.prepare_model(self.pieces.parts.text_model)
         self.vocab_size = self.pieces.parts.args.vocab_size
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_entries)
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
         # memory_bytes: what running rows and the prefix cache may hold together (0: unbounded).
         self.memory = memory.guard_for(self.pieces, memory_bytes, self.prefix_cache)

@@ -8,7 +8,7 @@ import time
 
 import click
 
-from .cli_options import ADAPTER_PATH, drafting_options
+from .cli_options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
 
 # The options that set SamplingParams' fields (its errors name the field first).
 SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
@@ -29,13 +29,16 @@ SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top
 @ADAPTER_PATH
 @click.option("--mtp-fallback", is_flag=True, help="Run without MTP if the model has no head.")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as raw text.")
+@tokenizer_options
 @click.option("--profile", is_flag=True, help="Split device time into draft and verify (one more sync per cycle).")
 @click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Under mlx.launch: seconds a step may wait on the other ranks before the run fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@refused_options()
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
-             pipeline_drafts=False, compile_steps=False, dist_timeout=30.0, adapter_path=None):
+             pipeline_drafts=False, compile_steps=False, dist_timeout=30.0, adapter_path=None,
+             trust_remote_code=False, use_default_chat_template=False):
     """Generate a completion for PROMPT (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
@@ -49,7 +52,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
                           compile_steps=compile_steps)
     m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
-                         draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path)
+                         draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path,
+                         trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)
     ids, max_tokens = _prompt_ids(m, tok, prompt, not no_chat_template, max_tokens)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                             reproducible=seed is not None)

@@ -1,5 +1,6 @@
 """The command-line options `mlxmtp serve` and `mlxmtp generate` share: how the engine drafts,
-and fine-tuned adapters."""
+fine-tuned adapters, the tokenizer, and mlx-lm's options that mlxmtp refuses (users coming
+from `mlx_lm.server` / `mlx_lm.generate` type them; each says why it has no place here)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import click
 from .limits import MAX_DRAFT_DEPTH
 
 _DRAFTING = [
-    click.option("--num-draft", default=None, type=click.IntRange(0, MAX_DRAFT_DEPTH),
-                 help="Pin the draft depth (default: adaptive)."),
+    click.option("--num-draft", "--num-draft-tokens", "num_draft", default=None,
+                 type=click.IntRange(0, MAX_DRAFT_DEPTH),
+                 help="Pin the draft depth (default: adaptive). --num-draft-tokens is mlx-lm's name for it."),
     click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
                  help="Draft from the N most frequent tokens only (list made by `mlxmtp draft-vocab`; "
                       "vocabularies over 64K; 0 = the full vocabulary)."),
@@ -23,12 +25,63 @@ _DRAFTING = [
                       "(shape-stable caches). Experimental: see BENCHMARKS.md for what it costs and saves."),
 ]
 
+_TOKENIZER = [
+    click.option("--trust-remote-code", is_flag=True,
+                 help="Let the tokenizer run code from the model's folder (transformers' trust_remote_code), "
+                      "as mlx-lm's option does."),
+    click.option("--use-default-chat-template", is_flag=True,
+                 help="When the tokenizer has no chat template, use its default_chat_template, as mlx-lm's "
+                      "option does; start-up fails if it has none either (transformers no longer gives tokenizers one). "
+                      "serve's --chat-template wins over it."),
+]
+
+_NO_KV_QUANTIZATION = ("mlxmtp keeps its caches unquantized (only a quarter of these hybrid models' layers, "
+                       "Qwen3.5 / Qwen3-Next, keep attention KV; the others hold a fixed-size Gated DeltaNet state)")
+# mlx-lm's options without an equivalent here -> why.
+REFUSED = {
+    "--draft-model": "mlxmtp drafts with the model's own MTP head, not a second model: pin its depth with "
+                     "--num-draft (or leave it adaptive), require the head with --enable-mtp",
+    "--kv-bits": _NO_KV_QUANTIZATION,
+    "--kv-group-size": _NO_KV_QUANTIZATION,
+    "--quantized-kv-start": _NO_KV_QUANTIZATION,
+}
+
 
 def drafting_options(command):
     """`command` with the drafting options, in the order listed above."""
     for option in reversed(_DRAFTING):
         command = option(command)
     return command
+
+
+def tokenizer_options(command):
+    """`command` with --trust-remote-code and --use-default-chat-template (`models.load`'s
+    `trust_remote_code` and `use_default_chat_template`)."""
+    for option in reversed(_TOKENIZER):
+        command = option(command)
+    return command
+
+
+def refused_option(name: str, why: str):
+    """A hidden option `name` (taking a value) that fails the command line, before anything
+    loads, with a usage error saying `why` it is not supported."""
+
+    def refuse(ctx, param, value):
+        if value is not None:
+            raise click.UsageError(f"{name} is not supported: {why}.", ctx=ctx)
+
+    return click.option(name, default=None, hidden=True, expose_value=False, callback=refuse)
+
+
+def refused_options(refused: dict = REFUSED):
+    """A decorator giving a command a refused_option for each of `refused` (name -> why)."""
+
+    def decorate(command):
+        for name, why in refused.items():
+            command = refused_option(name, why)(command)
+        return command
+
+    return decorate
 
 
 ADAPTER_PATH = click.option(

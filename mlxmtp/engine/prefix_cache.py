@@ -6,7 +6,8 @@ shorter prefix, so entries are stored at exact boundaries: the end of a prompt, 
 end of a finished request, and where a prompt branches off the sequences stored before
 it, see prefill), the MTP head's cache and its pending inputs, and the
 logits after the last token. A hit restores all of it and prefills only the rest,
-so hit and miss give the same output. Bounded by bytes, least recently used first out.
+so hit and miss give the same output. Bounded by bytes, and optionally by a number of
+entries (`serve --prompt-cache-size`), least recently used first out.
 An entry owns compact copies of its arrays (a row's share of a batch's caches, never
 views that keep the batch's whole buffers alive), so the byte budget is what it holds.
 
@@ -161,8 +162,11 @@ def _common_length(label: Tokens, key: Tokens, start: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, max_entries: Optional[int] = None):
         self.max_bytes = max_bytes
+        # None: bytes alone bound it. A count would evict the short entries that many
+        # prompts share (a system prompt's) as soon as enough long ones are stored.
+        self.max_entries = max_entries
         self.entries: "OrderedDict[Tokens, PrefixEntry]" = OrderedDict()  # least recently used first
         self.trie = PrefixTrie()
         self.bytes = 0
@@ -179,8 +183,10 @@ class PrefixCache:
         return self.max_bytes if self.room is None else min(self.max_bytes, self.room())
 
     def shrink_to(self, nbytes: int) -> None:
-        """Evict least recently used entries until it holds at most `nbytes`."""
-        while self.bytes > max(0, nbytes):
+        """Evict least recently used entries until it holds at most `nbytes`, and at most
+        `max_entries` entries."""
+        most = len(self.entries) if self.max_entries is None else self.max_entries
+        while self.bytes > max(0, nbytes) or len(self.entries) > most:
             _, old = self.entries.popitem(last=False)
             self.trie.remove(old.tokens)
             self.bytes -= old.nbytes

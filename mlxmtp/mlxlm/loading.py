@@ -62,6 +62,19 @@ def wire_recommended_memory() -> Optional[int]:
     return mx.device_info()["max_recommended_working_set_size"]
 
 
+def parse_size(text: str) -> int:
+    """Bytes of a size as mlx-lm's server options take one ("8G", "500MB", "1000000"; M and
+    G are 10**6 and 10**9); a text mlx-lm cannot read is a ValueError."""
+    # mlx-lm on use (see the module docstring)
+    from mlx_lm.utils import _parse_size
+
+    try:
+        return _parse_size(text)
+    except (ArithmeticError, KeyError, ValueError):  # decimal's InvalidOperation: no number; KeyError: the unit
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with M, MB, G or GB "
+                         "(10**6, 10**9 bytes)") from None
+
+
 def load_model(model_dir: Path, lazy: bool = True):
     """(model, config) without the tokenizer."""
     # mlx-lm on use (see the module docstring)

@@ -318,7 +318,7 @@ def _draft_vocab(parts: TextParts, model_dir: Path, size: int, path: Optional[Pa
 def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
          hidden_state: str = "post_norm", revision: Optional[str] = None, lazy: bool = False,
          draft_vocab: int = 0, draft_vocab_file=None, pipeline=None, chat_template: Optional[str] = None,
-         adapter_path=None):
+         adapter_path=None, trust_remote_code: bool = False, use_default_chat_template: bool = False):
     """(MTPModel, tokenizer): the model and tokenizer as mlx-lm loads them, with the MTP head.
 
     mtp=True: a missing head raises `MissingMTPHeadError` (naming the repair command)
@@ -328,6 +328,9 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     pipeline=(group, split, strict): load only this rank's layers of a pipeline split
     (distributed/load.py); the head and everything outside the layers load on every rank.
     chat_template: a Jinja template used instead of the tokenizer's own.
+    trust_remote_code: let the tokenizer run code from the model's folder (as mlx-lm's server).
+    use_default_chat_template: a tokenizer without a chat template takes its
+    default_chat_template (as mlx-lm's server); without one either, a ModelLoadError.
     adapter_path: fine-tuned adapters (`mlx_lm.lora`) applied to the model as mlx-lm applies
     them; the head drafts for the adapted model (its output is still exactly the model's).
     Memory up to the device's recommended working set is wired first (Apple GPUs).
@@ -340,7 +343,9 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
         raise MTPLoadError("adapters are not supported across ranks: fuse them into the model first "
                            "(mlx_lm.fuse) and serve the fused folder")
     wired = loading.wire_recommended_memory()
-    model, tokenizer = _load_backbone(model_dir, pipeline, lazy, chat_template, adapter_path)
+    model, tokenizer = _load_backbone(model_dir, pipeline, lazy, chat_template, adapter_path, trust_remote_code)
+    if use_default_chat_template:
+        _use_default_chat_template(tokenizer, model_dir)
     _warn_if_beyond_wired(model, wired)
     if mtp:
         # attach_mtp itself records a missing head as disabled when it is not required.
@@ -358,10 +363,15 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     return mtp_model, tokenizer
 
 
-def _load_backbone(model_dir: Path, pipeline, lazy: bool, chat_template: Optional[str], adapter_path):
+def _load_backbone(model_dir: Path, pipeline, lazy: bool, chat_template: Optional[str], adapter_path,
+                   trust_remote_code: bool = False):
     """(model, tokenizer) as mlx-lm loads them; what mlx-lm fails on (a config it cannot
     read, weights cut short, a model type it does not know) is a one-line ModelLoadError."""
-    tokenizer_config = {"chat_template": chat_template} if chat_template is not None else None
+    # The tokenizer's settings, as mlx-lm's server gives them (transformers' from_pretrained).
+    tokenizer_config = {"chat_template": chat_template} if chat_template is not None else {}
+    if trust_remote_code:
+        tokenizer_config["trust_remote_code"] = True
+    tokenizer_config = tokenizer_config or None
     try:
         if pipeline is not None:
             return loading.load_pipelined(model_dir, *pipeline, tokenizer_config=tokenizer_config)
@@ -370,6 +380,21 @@ def _load_backbone(model_dir: Path, pipeline, lazy: bool, chat_template: Optiona
         raise MTPLoadError(str(e)) from e
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: MLX's safetensors reader
         raise ModelLoadError(f"cannot load the model in {model_dir}: {e}") from e
+
+
+def _use_default_chat_template(tokenizer, model_dir: Path) -> None:
+    """As mlx-lm's --use-default-chat-template: a tokenizer without a chat template takes
+    its default_chat_template; one without either cannot serve chats, which is said now."""
+    if tokenizer.chat_template is not None:  # its own, or --chat-template's: that one wins
+        return
+    default = getattr(tokenizer, "default_chat_template", None)
+    if default is None:
+        raise ModelLoadError(f"the tokenizer in {model_dir} has no chat template and no default_chat_template "
+                             "for --use-default-chat-template (transformers no longer gives tokenizers one): give "
+                             "a template with serve's --chat-template, or leave the option out")
+    tokenizer.chat_template = default
+    tokenizer.has_chat_template = True  # mlx-lm's wrapper reads it (it was set before the template was)
+    log.info("chat template: the tokenizer's default_chat_template (--use-default-chat-template)")
 
 
 def _warn_if_beyond_wired(model: nn.Module, wired: Optional[int]) -> None:

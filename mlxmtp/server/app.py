@@ -37,13 +37,13 @@ log = logging.getLogger("mlxmtp.server")
 
 def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool = True,
                num_draft: Optional[int] = None, max_concurrent: int = 8, max_prompt_tokens: Optional[int] = None,
-               prefix_cache_mb: Optional[int] = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
+               prefix_cache_mb: Optional[float] = 0, api_key: Optional[str] = None, aliases: Sequence[str] = (),
                request_hook: Optional[Callable] = None, context_length: Optional[int] = None,
                max_body_mb: float = 8.0, strict_model_name: bool = False, pipeline_drafts: bool = False,
                compile_steps: bool = False, memory_mb: Optional[int] = None,
                sampling_defaults: Optional[dict] = None, chat_template_args: Optional[dict] = None,
                default_max_tokens: Optional[int] = None, prefill_step: int = PREFILL_STEP,
-               allowed_origins: Sequence[str] = (),
+               allowed_origins: Sequence[str] = (), prefix_cache_entries: Optional[int] = None,
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
@@ -60,8 +60,10 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     mtp_active, reason = _mtp_status(model, enable_mtp)
     metrics = Metrics()
     options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts,
-                             compile_steps, memory_mb, prefill_step)
-    log.info("prefix cache: up to %d MiB", options["prefix_cache_bytes"] >> 20)
+                             compile_steps, memory_mb, prefill_step, prefix_cache_entries)
+    budget = options["prefix_cache_bytes"]
+    log.info("prefix cache: up to %s%s", f"{budget >> 20} MiB" if budget >= 2**20 or not budget else f"{budget} bytes",
+             f", {prefix_cache_entries} entries" if prefix_cache_entries else "")
     args = text_parts(model).args
     serve_tokenizer(tok, args.vocab_size)  # what response formats are compiled for
     context_length = _context_in_memory(model, mtp_active, context_length or args.max_position_embeddings,
@@ -95,18 +97,21 @@ async def _engine_running(bridge: EngineBridge, app):
 
 
 def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int,
-                   prefix_cache_mb: Optional[int], pipeline_drafts: bool, compile_steps: bool = False,
-                   memory_mb: Optional[int] = None, prefill_step: int = PREFILL_STEP) -> dict:
+                   prefix_cache_mb: Optional[float], pipeline_drafts: bool, compile_steps: bool = False,
+                   memory_mb: Optional[int] = None, prefill_step: int = PREFILL_STEP,
+                   prefix_cache_entries: Optional[int] = None) -> dict:
     """The server's engine settings (every rank of a distributed server builds its engine
-    from these); `prefix_cache_mb`, `memory_mb` None: the machine's defaults
+    from these); `prefix_cache_mb` (MiB, 2**20 bytes; a fraction for a budget in bytes:
+    `serve --prompt-cache-bytes`), `memory_mb` None: the machine's defaults
     (prefix_cache.default_budget, memory.default_budget); `prefill_step`: prompt tokens a
-    prefill chunk takes."""
+    prefill chunk takes; `prefix_cache_entries`: the most entries the prefix cache holds
+    (None: its bytes alone bound it)."""
     weights = _weight_bytes(model)
-    budget = default_budget(weights) if prefix_cache_mb is None else int(prefix_cache_mb) * 2**20
+    budget = default_budget(weights) if prefix_cache_mb is None else int(prefix_cache_mb * 2**20)
     caches = memory.default_budget(weights) if memory_mb is None else int(memory_mb) * 2**20
     return dict(enable_mtp=_mtp_status(model, enable_mtp)[0], num_draft=num_draft, max_batch=max_concurrent,
                 prefix_cache_bytes=budget, pipeline_drafts=pipeline_drafts, compile_steps=compile_steps,
-                memory_bytes=caches, prefill_step=prefill_step)
+                memory_bytes=caches, prefill_step=prefill_step, prefix_cache_entries=prefix_cache_entries)
 
 
 def _context_in_memory(model, mtp: bool, context_length: int, memory_bytes: int) -> int:

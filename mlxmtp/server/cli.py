@@ -10,10 +10,22 @@ import socket
 
 import click
 
-from ..engine.cli_options import ADAPTER_PATH, drafting_options
+from ..engine.cli_options import (
+    ADAPTER_PATH,
+    REFUSED,
+    drafting_options,
+    refused_options,
+    tokenizer_options,
+)
 from ..engine.limits import PREFILL_STEP
 
 log = logging.getLogger("mlxmtp.server")
+
+# mlx_lm.server's --prompt-concurrency, taken and ignored (its users pass it with their
+# other options), with a warning saying why.
+PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills one prompt at a time, in "
+                              "--prefill-step-size chunks between decode cycles, so there is no prompt batch to size "
+                              "(--max-concurrent / --decode-concurrency bounds the requests decoded together)")
 
 
 @click.command()
@@ -26,8 +38,9 @@ log = logging.getLogger("mlxmtp.server")
 @drafting_options
 @ADAPTER_PATH
 @click.option("--mtp-fallback", is_flag=True, help="With --enable-mtp: serve without MTP if the model has no head.")
-@click.option("--max-concurrent", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Requests decoded together; more wait in the queue.")
+@click.option("--max-concurrent", "--decode-concurrency", "max_concurrent", default=8, show_default=True,
+              type=click.IntRange(min=1),
+              help="Requests decoded together; more wait in the queue. --decode-concurrency is mlx-lm's name.")
 @click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
               help="Reject longer prompts with 400.")
 @click.option("--context-length", default=None, type=click.IntRange(min=1),
@@ -47,6 +60,14 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--prefix-cache-mb", default=None, type=click.IntRange(min=0),
               help="Memory for reusing the KV/GDN state of shared prompt prefixes (0 = off; default: a "
                    "quarter of the device's memory, at most half of what the model's weights leave).")
+@click.option("--prompt-cache-bytes", default=None, callback=lambda ctx, param, value: _size(value),
+              help="The prefix cache's memory as mlx-lm's option gives it: bytes, or with M / MB / G / GB "
+                   "(10**6, 10**9 bytes; --prefix-cache-mb counts 2**20). Instead of --prefix-cache-mb.")
+@click.option("--prompt-cache-size", "prefix_cache_entries", default=None, type=click.IntRange(min=1),
+              help="The most entries the prefix cache keeps, the least recently used leaving first. Default: "
+                   "no count, only its memory bounds it (mlx-lm's default is 10): entries are stored at every "
+                   "prompt's end, request's end and branch point, so a small count soon evicts the shared "
+                   "system prompt's entry that agents reuse.")
 @click.option("--memory-mb", default=None, type=click.IntRange(min=0),
               help="Memory the caches of running requests and the prefix cache may take together (0 = "
                    "unbounded; default: the device's limit, Metal's recommended working set, less the "
@@ -80,17 +101,29 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--chat-template-args", default=None, callback=lambda ctx, param, value: _template_args(value),
               help='JSON object of chat template variables for every request, e.g. \'{"enable_thinking": '
                    "false}'. A request's own chat_template_kwargs, thinking or reasoning setting wins.")
+@tokenizer_options
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
+@click.option("--pipeline", is_flag=True, expose_value=False,
+              help="Accepted for mlx_lm.server and ignored: under mlx.launch mlxmtp always splits the model "
+                   "across the ranks as a pipeline.")
+@click.option("--prompt-concurrency", default=None, type=click.IntRange(min=1), expose_value=False,
+              callback=lambda ctx, param, value: value and click.echo(f"Warning: {PROMPT_CONCURRENCY_IGNORED}",
+                                                                       err=True),
+              help="Accepted for mlx_lm.server and ignored: prompts are prefilled one at a time, in chunks.")
+@refused_options(REFUSED)
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
           dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None, chat_template=None,
           chat_template_args=None, adapter_path=None, default_max_tokens=None, prefill_step=PREFILL_STEP,
-          allowed_origins=()):
+          allowed_origins=(), prompt_cache_bytes=None, prefix_cache_entries=None, trust_remote_code=False,
+          use_default_chat_template=False):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
-    Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP."""
-    _check_api_key(api_key)  # before the (slow) model load
+    Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP.
+    mlx_lm.server's options are accepted under their names; those mlxmtp cannot honour are refused."""
+    _check_api_key(api_key)  # before the (slow) model load, as the options below
+    prefix_cache_mb = _prefix_cache_mb(prefix_cache_mb, prompt_cache_bytes)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
 
@@ -103,31 +136,29 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     group = launched_group()
     if group is None or group.rank() == 0:
         _check_address(host, port)  # before the (slow) model load, as the API key
+    # The engine's settings: every rank must be started with the same (distributed/group.py).
     settings = dict(num_draft=num_draft, max_concurrent=max_concurrent, prefix_cache_mb=prefix_cache_mb,
-                    pipeline_drafts=pipeline_drafts, compile_steps=compile_steps, prefill_step=prefill_step)
+                    prefix_cache_entries=prefix_cache_entries, pipeline_drafts=pipeline_drafts,
+                    compile_steps=compile_steps, prefill_step=prefill_step)
     m, tok = _load(model, group, settings, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
-                   draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path)
+                   draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path,
+                   trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)
     if group is not None and group.rank() > 0:
         from .app import engine_options  # on use, as above
 
-        return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, num_draft, max_concurrent,
-                                                                   prefix_cache_mb, pipeline_drafts, compile_steps,
-                                                                   memory_mb, prefill_step))
+        return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, memory_mb=memory_mb, **settings))
     name = model or "mlxmtp-demo"
     _log_start(model, m, num_draft, host, api_key)
     _check_changes(tok, adapter_path, chat_template, chat_template_args)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
-    app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, num_draft=num_draft, max_concurrent=max_concurrent,
-                     pipeline_drafts=pipeline_drafts, compile_steps=compile_steps,
+    app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, **settings,
                      engine_factory=_engine_factory(group, dist_timeout),
-                     max_prompt_tokens=max_prompt_tokens, prefix_cache_mb=prefix_cache_mb, memory_mb=memory_mb,
-                     api_key=api_key,
+                     max_prompt_tokens=max_prompt_tokens, memory_mb=memory_mb, api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name, chat_template_args=chat_template_args,
-                     default_max_tokens=default_max_tokens, prefill_step=prefill_step,
-                     allowed_origins=allowed_origins,
+                     default_max_tokens=default_max_tokens, allowed_origins=allowed_origins,
                      sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
     _run(app, host, port, log_level, shutdown_timeout)
 
@@ -200,6 +231,30 @@ def _chat_template(value):
     if "{{" in value or "{%" in value:
         return value
     raise click.BadParameter(f"{value!r} is neither a file nor a Jinja template", param_hint="--chat-template")
+
+
+def _size(value):
+    """--prompt-cache-bytes: bytes, read as mlx-lm reads its sizes."""
+    if value is None:
+        return None
+    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
+    from ..mlxlm.loading import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--prompt-cache-bytes") from None
+
+
+def _prefix_cache_mb(prefix_cache_mb, prompt_cache_bytes):
+    """The prefix cache's budget in MiB (None: the default): --prefix-cache-mb's, or mlx-lm's
+    --prompt-cache-bytes as a fraction of MiB (exact: bytes / 2**20 * 2**20 gives them back)."""
+    if prompt_cache_bytes is None:
+        return prefix_cache_mb
+    if prefix_cache_mb is not None:
+        raise click.UsageError("--prompt-cache-bytes and --prefix-cache-mb both set the prefix cache's memory: "
+                               "give one of them")
+    return prompt_cache_bytes / 2**20
 
 
 def _origins(value) -> tuple:
