@@ -34,7 +34,7 @@ SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top
 @click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Under mlx.launch: seconds a step may wait on the other ranks before the run fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@refused_options()
+@refused_options
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
              pipeline_drafts=False, compile_steps=False, dist_timeout=30.0, adapter_path=None,

@@ -73,15 +73,11 @@ def refused_option(name: str, why: str):
     return click.option(name, default=None, hidden=True, expose_value=False, callback=refuse)
 
 
-def refused_options(refused: dict = REFUSED):
-    """A decorator giving a command a refused_option for each of `refused` (name -> why)."""
-
-    def decorate(command):
-        for name, why in refused.items():
-            command = refused_option(name, why)(command)
-        return command
-
-    return decorate
+def refused_options(command):
+    """`command` with a refused_option for each of REFUSED (name -> why)."""
+    for name, why in REFUSED.items():
+        command = refused_option(name, why)(command)
+    return command
 
 
 ADAPTER_PATH = click.option(

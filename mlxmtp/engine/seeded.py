@@ -73,5 +73,9 @@ def decide(samplers: Sequence, p_logprobs: mx.array, drafts: mx.array, kept: mx.
 def advance(samplers: Sequence, kept: mx.array) -> None:
     """Move each reproducible sampler past the kept[b] + 1 tokens its row emits this cycle
     (lazily: a pipelined cycle's next one is keyed before this one is read)."""
-    for b in reproducible_rows(samplers):
-        samplers[b].position = samplers[b].position + (kept[b].astype(mx.uint32) + 1)
+    rows = reproducible_rows(samplers)
+    if not rows:
+        return
+    emitted = kept.astype(mx.uint32) + 1  # one op for the batch, then a slice per row
+    for b in rows:
+        samplers[b].position = samplers[b].position + emitted[b]

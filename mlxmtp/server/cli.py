@@ -10,13 +10,7 @@ import socket
 
 import click
 
-from ..engine.cli_options import (
-    ADAPTER_PATH,
-    REFUSED,
-    drafting_options,
-    refused_options,
-    tokenizer_options,
-)
+from ..engine.cli_options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
 from ..engine.limits import PREFILL_STEP
 
 log = logging.getLogger("mlxmtp.server")
@@ -111,7 +105,7 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
               callback=lambda ctx, param, value: value and click.echo(f"Warning: {PROMPT_CONCURRENCY_IGNORED}",
                                                                        err=True),
               help="Accepted for mlx_lm.server and ignored: prompts are prefilled one at a time, in chunks.")
-@refused_options(REFUSED)
+@refused_options
 def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent, max_prompt_tokens, context_length,
           max_body_mb, prefix_cache_mb, memory_mb, api_key, aliases, strict_model_name, shutdown_timeout, log_level,
           draft_vocab=0, draft_vocab_file=None, pipeline_drafts=False, compile_steps=False,
