@@ -336,7 +336,7 @@ def test_hf_id_from_offline_cache(tmp_path, fixture_models, monkeypatch):
     # A repo that is not cached fails cleanly offline.
     other = _copy(fixture_models["qwen3_6_moe"]["mlx_4bit"], tmp_path / "mlx2")
     res = _run("--model", other, "--source", "fake-org/not-cached")
-    assert res.exit_code != 0 and "could not fetch" in res.output
+    assert res.exit_code != 0 and "cannot fetch fake-org/not-cached" in res.output
     _no_half_head(other)
 
 

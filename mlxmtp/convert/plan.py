@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from huggingface_hub import constants as hf_constants
-from huggingface_hub import snapshot_download
 from tqdm.auto import tqdm
 
 from ..checkpoint import hf_head, mtp_folder
 from ..checkpoint.tensor_files import ST_DTYPES, TensorFileError, TensorReader, nbytes
 from ..mlxlm.family import UnsupportedModelError, family_of
+from ..models.load import ModelLoadError, hub_snapshot
 
 
 class AddMTPError(ValueError):
@@ -34,21 +33,11 @@ Echo = Callable[[str], None]
 # ---------------------------------------------------------------------------
 
 
-def _hf_offline() -> bool:
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return env or bool(hf_constants.HF_HUB_OFFLINE)
-
-
 def _snapshot(repo_id: str, patterns: List[str], revision: Optional[str], progress: bool) -> Path:
-    kwargs = dict(revision=revision, allow_patterns=patterns, local_files_only=_hf_offline())
-    if os.environ.get("HF_HUB_CACHE"):  # read at call time (huggingface_hub reads it at import)
-        kwargs["cache_dir"] = os.environ["HF_HUB_CACHE"]
-    if progress:
-        kwargs["tqdm_class"] = tqdm
     try:
-        return Path(snapshot_download(repo_id, **kwargs))
-    except Exception as e:  # network / cache / auth errors: one clear message
-        raise AddMTPError(f"could not fetch {patterns} of {repo_id!r} from Hugging Face: {e}") from e
+        return hub_snapshot(repo_id, patterns, revision, tqdm_class=tqdm if progress else None)
+    except ModelLoadError as e:  # network / cache / auth errors: one clear message
+        raise AddMTPError(str(e)) from e
 
 
 def local_source(source: str, revision: Optional[str] = None) -> Optional[Path]:

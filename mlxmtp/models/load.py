@@ -108,13 +108,16 @@ def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None,
     return hub_snapshot(path_or_hf_id, CONFIG_FILES + weights, revision)
 
 
-def hub_snapshot(repo_id: str, patterns: list, revision: Optional[str] = None) -> Path:
-    """The files of a Hugging Face repo matching `patterns`, through huggingface_hub. A
-    name that is a path (no such folder here) or a fetch that fails is a ModelLoadError."""
+def hub_snapshot(repo_id: str, patterns: list, revision: Optional[str] = None, tqdm_class=None) -> Path:
+    """The files of a Hugging Face repo matching `patterns`, through huggingface_hub (the
+    one place mlxmtp fetches; `tqdm_class`: its download bars, huggingface_hub's own by
+    default). A name that is a path (no such folder here) or a fetch that fails is a
+    ModelLoadError."""
     if _names_a_path(repo_id):
         raise ModelLoadError(f"no such model folder: {repo_id}")
+    bars = {"tqdm_class": tqdm_class} if tqdm_class is not None else {}
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **bars))
     except HFValidationError:
         raise ModelLoadError(f"{repo_id} is neither a model folder nor a Hugging Face repo id") from None
     except LocalEntryNotFoundError as e:
