@@ -97,7 +97,9 @@ def run_setting(model, tok, prompts, n, temp, options):
 # operations of a cycle, drafting and deciding all rows.
 BATCH_PARAMS = [("temperature 0.7", {"temperature": 0.7}),
                 ("temperature 0.7, top_p 0.95, top_k 20", {"temperature": 0.7, "top_p": 0.95, "top_k": 20}),
-                ("temperature 0.7, repetition_penalty 1.1", {"temperature": 0.7, "repetition_penalty": 1.1})]
+                ("temperature 0.7, repetition_penalty 1.1", {"temperature": 0.7, "repetition_penalty": 1.1}),
+                # a seeded request as the server makes it (engine/seeded.py)
+                ("temperature 0.7, reproducible seed", {"temperature": 0.7, "reproducible": True})]
 
 
 def batch_ops_per_cycle(model, tok, prompts, rows, params, k, steps=20):

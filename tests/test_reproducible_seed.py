@@ -139,3 +139,22 @@ def test_seeded_tokens_are_samples_of_the_model_s_distribution(fixture_model):
         assert stat < chi2_quantile(dof), (pos, stat, dof)
     # As varied as free sampling (keys shared across seeds would repeat whole outputs).
     assert len({tuple(o) for o in seeded}) > 0.8 * len({tuple(o) for o in free})
+
+
+@pytest.mark.parametrize("settings", ["temperature", "penalty"])  # the vectorised and the row-by-row accept
+def test_reproducible_rows_build_no_rejection_sampling(fixture_model, monkeypatch, settings):
+    """Rejection sampling's random numbers are built only where a row is decided by it: a
+    batch of reproducible rows (and greedy ones) makes none, and still gives MTP off's text."""
+    from mlxmtp.engine import verify
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    plain = _run(model, tok, [_mine(settings)], enable_mtp=False)[0]
+    calls = []
+    real = verify.rows_noise
+    monkeypatch.setattr(verify, "rows_noise", lambda *a: calls.append(1) or real(*a))
+    greedy = Request(prompt=prompt_of(5, seed=1), max_tokens=30)
+    assert _run(model, tok, [_mine(settings), greedy], enable_mtp=True, num_draft=3)[0] == plain
+    assert not calls
+    unseeded = Request(prompt=prompt_of(30, seed=2), max_tokens=25, params=SamplingParams(**SETTINGS[settings]))
+    assert _run(model, tok, [_mine(settings), unseeded], enable_mtp=True, num_draft=3)[0] == plain
+    assert calls  # the same batch with a row that rejection sampling decides builds them

@@ -11,9 +11,8 @@ a sampled row makes its p and draws its random numbers from its own key). Then o
 vectorised step decides every row: greedy rows by argmax, sampled rows by rejection
 sampling against the distribution q their drafts were drawn from (the `draft_picker`
 below draws them from the same processed distribution the verifier's p comes from, the
-same two ways), reproducible rows (a seeded request) by argmax agreement under noise
-keyed by their positions (seeded.py). Both ways give a row the same tokens; everything
-stays lazy, and the cycle evaluates it with the verify forward.
+same two ways), reproducible rows by argmax agreement under positional noise (seeded.py).
+Both ways give a row the same tokens; all stays lazy, evaluated with the verify forward.
 """
 
 from __future__ import annotations
@@ -142,12 +141,10 @@ def _accept_vectorised(meta: VerifyMetadata, logits: mx.array):
         if any(greedy):
             tokens = mx.where(mx.array(greedy)[:, None], mx.argmax(logits, axis=-1), tokens)
     else:
-        accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
+        accept_greedy = rules(meta.rule, meta.compiled)[0]
         base = tempered_logprobs(logits, inv_temps[:, :, None]) if tempered else mx.zeros(logits.shape, mx.float32)
         p = with_filtered_rows(base, logits, meta.samplers)
-        u, g = rows_noise(keys, k, V)
-        kept, tokens = accept_sampled_rows(p, meta.draft_logprobs.astype(p.dtype), meta.drafts, u, g)
-        kept, tokens = seeded.decide(meta.samplers, p, meta.drafts, kept, tokens)
+        kept, tokens = _decide_sampled(meta, p, lambda: rows_noise(keys, k, V))
         if any(greedy):
             kept_g, tokens_g = accept_greedy(logits, meta.drafts)
             mask = mx.array(greedy)
@@ -169,6 +166,8 @@ def _prepare_row(meta: VerifyMetadata, b: int, lg: mx.array):
         return lg, None, None
     if k == 0:
         return lg, s.draw(lg), None
+    if s.reproducible:  # decided by its own noise (seeded.py): no rejection-sampling numbers
+        return lg, s.logprobs(lg), None
     u, g = rows_noise(s.next_key()[None], k, lg.shape[-1])
     return lg, s.logprobs(lg), (u[0], g[0])
 
@@ -179,22 +178,32 @@ def _accept_mixed(meta: VerifyMetadata, lg: mx.array, p_rows: list, noise: list)
     against the q their drafts came from; each row's result is picked by its kind."""
     drafts, k = meta.drafts, meta.num_drafts
     sampled = [p is not None for p in p_rows]
-    accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
-    kept, tokens = accept_greedy(lg, drafts)
+    kept, tokens = rules(meta.rule, meta.compiled)[0](lg, drafts)
     if any(sampled):
         V = lg.shape[-1]
         # float32, as in the vectorised accept: a row decides alike in either kind of batch.
         p = mx.stack([p_b.astype(mx.float32) if p_b is not None else mx.zeros((k + 1, V), mx.float32)
                       for p_b in p_rows])
-        q = meta.draft_logprobs
-        u = mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise])
-        g = mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])
-        kept_s, tokens_s = accept_sampled_rows(p, q.astype(p.dtype), drafts, u, g)
-        kept_s, tokens_s = seeded.decide(meta.samplers, p, drafts, kept_s, tokens_s)
+        kept_s, tokens_s = _decide_sampled(meta, p, lambda: (
+            mx.stack([n[0] if n is not None else mx.ones((k,)) for n in noise]),
+            mx.stack([n[1] if n is not None else mx.zeros((V,)) for n in noise])))
         mask = mx.array(sampled)
         kept = mx.where(mask, kept_s, kept)
         tokens = mx.where(mask[:, None], tokens_s, tokens)
     return kept, tokens
+
+
+def _decide_sampled(meta: VerifyMetadata, p: mx.array, noise):
+    """Sampled rows' (kept [B], tokens [B, k+1]) from p [B, k+1, V]: rejection sampling with
+    `noise()` -> (u, g), then reproducible rows by seeded.decide (alone when all are)."""
+    B, k = meta.drafts.shape
+    if all(s.params.greedy or s.reproducible for s in meta.samplers):
+        kept, tokens = mx.zeros((B,), mx.int32), mx.zeros((B, k + 1), mx.int32)
+    else:
+        u, g = noise()
+        accept_sampled_rows = rules(meta.rule, meta.compiled)[1]
+        kept, tokens = accept_sampled_rows(p, meta.draft_logprobs.astype(p.dtype), meta.drafts, u, g)
+    return seeded.decide(meta.samplers, p, meta.drafts, kept, tokens)
 
 
 def draft_picker(rows: List[Row]):
