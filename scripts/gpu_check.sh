@@ -20,7 +20,8 @@
 # and 3, synchronous and pipelined, side by side, greedy), moe (scripts/moe_reference_probe.py:
 # whether the MoE fixture's states depend on how its tokens were split into forwards), ops
 # (bench/graph_ops.py: operations per token, where the mx.fast ops are single kernels; and
-# scripts/gpu_op_probe.py: which of the demo's operations cost more for T tokens than for 1).
+# scripts/gpu_op_probe.py: which of the demo's operations cost more for T tokens than for 1),
+# seeded (bench/seeded_acceptance.py: what a reproducible seed costs against rejection sampling).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -76,6 +77,7 @@ for check in "$@"; do
         ops) timeout 120 python3 bench/graph_ops.py --temps 0 --max-tokens 60 2>&1 | tee "$OUT/graph_ops.md"
              timeout 90 python3 scripts/gpu_op_probe.py 2>&1 | tee "$OUT/op_probe.md" ;;
         moe) MLX_ENABLE_TF32=0 timeout 60 python3 scripts/moe_reference_probe.py 2>&1 | tee "$OUT/moe_probe.md" ;;
+        seeded) timeout 120 python3 bench/seeded_acceptance.py 2>&1 | tee "$OUT/seeded.md" ;;
         *) echo "unknown check: $check" ;;
     esac
 done
