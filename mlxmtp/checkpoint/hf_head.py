@@ -6,6 +6,13 @@ Done exactly as mlx-lm's `sanitize` treats the equivalent main-model tensors
 - per-expert tensors (Qwen3-Next, Qwen3.5 MoE) are stacked into `switch_mlp`;
 - fused `gate_up_proj` [E, 2I, H] (Qwen3.6) is split into gate / up halves.
 
+Heads that other tools leave in MLX folders go the same way: a sidecar file beside the
+shards (`mtp.safetensors`, `model-mtp.safetensors`, `mtp/weights.safetensors` with `mtp.*`
+names), MLX-quantized layers (`.weight` packed, `.scales`, `.biases`: stacked and copied
+like the weight), names already in MTPHead form (`switch_mlp`, passed through) and norms
+already shifted (`convert_hf_head(..., shift_norms=False)`; the loader decides which from
+the values, models/head_layouts.py).
+
 `map_head_names` is the one statement of that mapping, by name only: `convert_hf_head`
 applies it to tensors in memory (the loader), the converter (convert/add_mtp_weights.py)
 to tensors it reads a piece at a time. `misshifted_norms` checks the result.
@@ -34,7 +41,9 @@ ZERO_CENTRED_NORMS = (
     "q_norm.weight",
     "k_norm.weight",
 )
-_PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+# Files other tools keep a head in, beside the shards an index lists (names relative to the folder).
+SIDECARS = ("mtp.safetensors", "model-mtp.safetensors", "mtp/weights.safetensors")
 _FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -61,8 +70,16 @@ def checkpoint_weight_map(folder: Path) -> Dict[str, str]:
 
 
 def mtp_tensor_files(folder: Path) -> Dict[str, str]:
-    """`mtp.*` tensor name -> shard holding it (the head is often not in the last shard)."""
-    return {k: v for k, v in checkpoint_weight_map(folder).items() if k.startswith(MTP_PREFIX)}
+    """`mtp.*` tensor name -> file holding it, relative to `folder`: a shard (the head is
+    often not in the last one) or a sidecar file the index does not list (SIDECARS)."""
+    folder = Path(folder)
+    weight_map = checkpoint_weight_map(folder)
+    listed = set(weight_map.values())
+    for name in SIDECARS:
+        if name not in listed and (folder / name).is_file():
+            header, _ = read_header(folder / name)
+            weight_map.update({tensor: name for tensor in header})
+    return {k: v for k, v in weight_map.items() if k.startswith(MTP_PREFIX)}
 
 
 def load_mtp_tensors(folder: Path, files: Dict[str, str] = None) -> Dict[str, mx.array]:
@@ -130,7 +147,7 @@ def map_head_names(names: Iterable[str]) -> Tuple[List[HeadTensor], dict]:
     for full in names:
         name = full.removeprefix(MTP_PREFIX)
         if m := _PER_EXPERT.match(name):
-            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = full
+            stacks.setdefault((int(m.group(1)), f"{m.group(3)}.{m.group(4)}"), {})[int(m.group(2))] = full
         elif m := _FUSED.match(name):
             prefix = f"layers.{m.group(1)}.mlp.switch_mlp"
             if m.group(2) == "gate_up_proj":
@@ -161,7 +178,7 @@ def _stack_experts(stacks: Dict[Tuple[int, str], Dict[int, str]]) -> Tuple[List[
         if n_experts and n != n_experts:
             raise HeadConversionError(f"layer {layer} {proj} has {n} experts, other projections {n_experts}")
         n_experts = n
-        out.append(HeadTensor(f"layers.{layer}.mlp.switch_mlp.{proj}.weight", "stack",
+        out.append(HeadTensor(f"layers.{layer}.mlp.switch_mlp.{proj}", "stack",
                               tuple(experts[e] for e in range(n))))
     return out, n_experts
 
@@ -177,8 +194,9 @@ def head_form(kind: str, w: mx.array) -> mx.array:
     return w
 
 
-def convert_hf_head(tensors: Dict[str, mx.array]) -> Tuple[Dict[str, mx.array], dict]:
-    """HF `mtp.*` tensors -> (MTPHead parameter dict, info about the layout)."""
+def convert_hf_head(tensors: Dict[str, mx.array], shift_norms: bool = True) -> Tuple[Dict[str, mx.array], dict]:
+    """HF `mtp.*` tensors -> (MTPHead parameter dict, info about the layout). `shift_norms`
+    False: the norms were shifted already (a head an MLX conversion kept)."""
     if not tensors:
         raise HeadConversionError("no mtp.* tensors given")
     mapping, info = map_head_names(tensors)
@@ -190,7 +208,7 @@ def convert_hf_head(tensors: Dict[str, mx.array]) -> Tuple[Dict[str, mx.array], 
         value = tensors[t.sources[0]]
         if t.kind == "norm" and value.ndim != 1:
             raise HeadConversionError(f"norm {MTP_PREFIX}{t.out} has shape {value.shape}")
-        out[t.out] = head_form(t.kind, value)
+        out[t.out] = value if t.kind == "norm" and not shift_norms else head_form(t.kind, value)
     if info["expert_layout"] == "fused":
         gate = next(v for k, v in out.items() if k.endswith("switch_mlp.gate_proj.weight"))
         info["num_experts"] = gate.shape[0]

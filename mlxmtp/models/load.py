@@ -25,6 +25,7 @@ from ..checkpoint import hf_head, mtp_folder, tensor_files
 from ..checkpoint.token_list import DraftVocabError
 from ..mlxlm import loading
 from ..mlxlm.family import TextParts, family_of, text_config, text_parts
+from . import head_layouts
 from .demo import demo_model_path
 from .draft_vocab import DraftVocab, draft_token_ids
 from .mtp_head import MTPHead
@@ -150,21 +151,28 @@ def check_model_folder(model_dir: Path, weights: bool = True) -> None:
 
 def locate_head(model_dir: Path) -> Optional[HeadSource]:
     """Where the head's weights are, judged by the tensors present, never by the config
-    (fine-tunes and most quantized conversions keep `mtp_num_hidden_layers` and drop the tensors)."""
+    (fine-tunes and most quantized conversions keep `mtp_num_hidden_layers` and drop the
+    tensors): mlxmtp's own `mtp/` folder, else `mtp.*` tensors in the shards or a sidecar
+    (a `mtp/` folder another tool wrote holds those)."""
     model_dir = Path(model_dir)
+    problem = None
     if mtp_folder.has_mtp_folder(model_dir):
         folder = model_dir / mtp_folder.FOLDER
         try:
             config = json.loads((folder / mtp_folder.CONFIG).read_text())
+            problem = mtp_folder.config_problem(config, HEAD_CONFIG_KEYS)
         except (OSError, ValueError) as e:
-            raise MTPLoadError(_unreadable_head(model_dir, f"its {mtp_folder.CONFIG}: {e}")) from e
-        problem = mtp_folder.config_problem(config, HEAD_CONFIG_KEYS)
-        if problem:
-            raise MTPLoadError(_unreadable_head(model_dir, problem))
-        return HeadSource("mtp_folder", folder, config=config)
-    files = hf_head.mtp_tensor_files(model_dir)
+            problem = f"its {mtp_folder.CONFIG}: {e}"
+        if problem is None:
+            return HeadSource("mtp_folder", folder, config=config)
+    try:
+        files = hf_head.mtp_tensor_files(model_dir)
+    except (OSError, ValueError) as e:  # a sidecar file whose header does not parse
+        raise MTPLoadError(_unreadable_head(model_dir, str(e))) from e
     if files:
         return HeadSource("hf_checkpoint", model_dir, tensors=files)
+    if problem is not None:
+        raise MTPLoadError(_unreadable_head(model_dir, problem))
     return None
 
 
@@ -173,26 +181,28 @@ def _unreadable_head(model_dir: Path, why: str) -> str:
             f"--model {model_dir} --source <BF16 HF checkpoint or repo id> --force")
 
 
-def read_head(model_dir: Path) -> Optional[tuple]:
+def read_head(model_dir: Path, reference_norm: mx.array) -> Optional[tuple]:
     """(HeadSource, head_weights(...)) of the model's head, None when it has none; a head
     whose files cannot be read (cut short, another format) is an MTPLoadError."""
     source = locate_head(model_dir)
     if source is None:
         return None
     try:
-        return source, head_weights(source)
+        return source, head_weights(source, reference_norm)
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # RuntimeError: MLX's safetensors reader
         raise MTPLoadError(_unreadable_head(model_dir, str(e))) from e
 
 
-def head_weights(source: HeadSource) -> tuple[Dict[str, mx.array], dict, Optional[dict]]:
-    """(parameters in MTPHead naming, layout info, quantization) for a located head."""
+def head_weights(source: HeadSource, reference_norm: mx.array) -> tuple[Dict[str, mx.array], dict, Optional[dict]]:
+    """(parameters in MTPHead naming, layout info, quantization) for a located head;
+    `mtp.*` tensors' norms are shifted unless they were already (head_layouts.py: judged
+    against `reference_norm`, the model's final norm weight)."""
     if source.location == "mtp_folder":
         config, weights = mtp_folder.read_mtp_folder(source.path.parent)
         info = {k: config[k] for k in HEAD_CONFIG_KEYS}
         return weights, info, config.get("quantization")
     tensors = hf_head.load_mtp_tensors(source.path, source.tensors)
-    weights, info = hf_head.convert_hf_head(tensors)
+    weights, info = head_layouts.convert_settling_norms(tensors, reference_norm)
     return weights, info, None
 
 
@@ -219,6 +229,11 @@ def quantize_like(module: nn.Module, quantization: dict, weights: Dict[str, mx.a
 def build_head(parts: TextParts, weights: Dict[str, mx.array], info: dict,
                quantization: Optional[dict] = None) -> MTPHead:
     head = MTPHead(parts, num_layers=max(1, info["num_layers"]), moe=info["moe"])
+    if not quantization:  # pre-quantized `mtp.*` tensors say how only by their widths
+        try:
+            quantization = head_layouts.infer_quantization(head, weights)
+        except ValueError as e:
+            raise MTPLoadError(f"{e}. Rebuild the head with mlxmtp add-mtp-weights --force.") from e
     if quantization:
         quantize_like(head, quantization, weights)
     expected = dict(tree_flatten(head.parameters()))
@@ -276,9 +291,13 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
     if hidden_state not in HIDDEN_STATES:
         raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
     parts = text_parts(model)
-    try:
-        found = read_head(model_dir)
-    except MTPLoadError as e:  # a head that cannot be read: as a missing one where MTP may fall back
+    try:  # a head that cannot be read or built: as a missing one where MTP may fall back
+        found = read_head(model_dir, parts.backbone.norm.weight)
+        if found is not None:
+            source, (weights, info, quantization) = found
+            head = build_head(parts, weights, info, quantization)
+            check_norm_convention(parts, head)
+    except MTPLoadError as e:
         if required:
             raise
         return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=str(e))
@@ -287,11 +306,9 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         if required:
             raise MissingMTPHeadError(reason)
         return MTPModel(model, parts, None, None, {}, hidden_state, disabled_reason=reason)
-    source, (weights, info, quantization) = found
-    head = build_head(parts, weights, info, quantization)
-    check_norm_convention(parts, head)
+    quantized = bool(quantization) or any(k.endswith(".scales") for k in weights)
     vocab = _draft_vocab(parts, model_dir, draft_vocab, draft_vocab_file,
-                         compute_dtype=head.fc.weight.dtype if not quantization else None)
+                         compute_dtype=None if quantized else head.fc.weight.dtype)
     return MTPModel(model, parts, head, source, info, hidden_state, vocab=vocab)
 
 
