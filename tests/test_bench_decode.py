@@ -166,15 +166,18 @@ def test_row_leaves_bench_measures_the_short_row_alone_and_after(fixture_model):
 def test_graph_ops_bench_counts_sampled_batches(fixture_model):
     """bench/graph_ops.py's sampled batches: four rows with top-p and top-k (filtered in
     one group) cost few operations more per cycle than four temperature-only rows, and
-    fewer than four rows with a repetition penalty (decided row by row)."""
+    fewer than four rows with a repetition penalty (decided row by row); four reproducible
+    seeded rows cost fewer still over the temperature-only ones (their position keys; no
+    rejection sampling built)."""
     bench = _bench_module("graph_ops")
     from mlxmtp.models.load import load
 
     model, tok = load(str(fixture_model("qwen3_5")["hf"]))
     prompts = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
-    tempered, filtered, penalty = (bench.batch_ops_per_cycle(model, tok, prompts, 4, params, 3, steps=4)
-                                   for _, params in bench.BATCH_PARAMS)
+    tempered, filtered, penalty, seeded = (bench.batch_ops_per_cycle(model, tok, prompts, 4, params, 3, steps=4)
+                                           for _, params in bench.BATCH_PARAMS)
     assert 0 < tempered < filtered < penalty and filtered - tempered < 0.2 * tempered
+    assert tempered < seeded < filtered
 
 
 def test_structured_output_bench_holds_every_side_to_the_same_tokens(fixture_model):
