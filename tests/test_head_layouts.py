@@ -181,3 +181,24 @@ def test_a_rank_fetching_its_shards_from_the_hub_gets_the_sidecar_too(tmp_path, 
     monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)
     folder = models_load.resolve_model_path("org/demo-mtp", weight_files=[])
     assert (folder / "mtp.safetensors").is_file() and not (folder / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("declared", [None, "heads/draft.safetensors", "../outside.safetensors"])
+def test_a_sidecar_the_config_names_or_optiqs(tmp_path, declared):
+    """The file `mlx_lm_extra_tensors.mtp_file` names (inside the folder only), else
+    `optiq/mtp.safetensors`."""
+    demo, _ = load(None)
+    folder = _demo_without_head(tmp_path)
+    name = declared or "optiq/mtp.safetensors"
+    if declared:
+        config = json.loads((folder / "config.json").read_text())
+        config["mlx_lm_extra_tensors"] = {"mtp_file": declared}
+        (folder / "config.json").write_text(json.dumps(config))
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(demo_model_path() / mtp_folder.FOLDER / mtp_folder.WEIGHTS))
+    mx.save_safetensors(str(folder / name), {f"mtp.{k}": v for k, v in weights.items()})
+    if declared and declared.startswith(".."):
+        with pytest.raises(MTPLoadError, match="has no MTP head"):
+            load(str(folder))
+    else:
+        _assert_same_params(load(str(folder))[0].head, demo.head)

@@ -7,8 +7,7 @@ Done exactly as mlx-lm's `sanitize` treats the equivalent main-model tensors
 - fused `gate_up_proj` [E, 2I, H] (Qwen3.6) is split into gate / up halves.
 
 Heads that other tools leave in MLX folders go the same way: a sidecar file beside the
-shards (`mtp.safetensors`, `model-mtp.safetensors`, `mtp/weights.safetensors` with `mtp.*`
-names), MLX-quantized layers (`.weight` packed, `.scales`, `.biases`: stacked and copied
+shards (SIDECARS, or the one the config names), MLX-quantized layers (`.weight` packed, `.scales`, `.biases`: stacked and copied
 like the weight), names already in MTPHead form (`switch_mlp`, passed through) and norms
 already shifted (`convert_hf_head(..., shift_norms=False)`; the loader decides which from
 the values, models/head_layouts.py).
@@ -42,8 +41,9 @@ ZERO_CENTRED_NORMS = (
     "k_norm.weight",
 )
 _PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
-# Files other tools keep a head in, beside the shards an index lists (names relative to the folder).
-SIDECARS = ("mtp.safetensors", "model-mtp.safetensors", "mtp/weights.safetensors")
+# Files other tools keep a head in, beside the shards an index lists (names relative to the
+# folder); a config may name another (`mlx_lm_extra_tensors.mtp_file`, `declared_sidecar`).
+SIDECARS = ("mtp.safetensors", "model-mtp.safetensors", "mtp/weights.safetensors", "optiq/mtp.safetensors")
 _FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -75,11 +75,24 @@ def mtp_tensor_files(folder: Path) -> Dict[str, str]:
     folder = Path(folder)
     weight_map = checkpoint_weight_map(folder)
     listed = set(weight_map.values())
-    for name in SIDECARS:
+    for name in dict.fromkeys([*filter(None, [declared_sidecar(folder)]), *SIDECARS]):
         if name not in listed and (folder / name).is_file():
             header, _ = read_header(folder / name)
             weight_map.update({tensor: name for tensor in header})
     return {k: v for k, v in weight_map.items() if k.startswith(MTP_PREFIX)}
+
+
+def declared_sidecar(folder: Path):
+    """The head file the folder's config names under `mlx_lm_extra_tensors.mtp_file` (a
+    convention of several MLX MTP runtimes), when it is a path inside the folder; else None."""
+    try:
+        extra = json.loads((Path(folder) / "config.json").read_text()).get("mlx_lm_extra_tensors")
+    except (OSError, ValueError, AttributeError):  # no config, not JSON, not an object
+        return None
+    name = extra.get("mtp_file") if isinstance(extra, dict) else None
+    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+        return None
+    return name
 
 
 def load_mtp_tensors(folder: Path, files: Dict[str, str] = None) -> Dict[str, mx.array]:

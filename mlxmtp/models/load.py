@@ -97,7 +97,7 @@ class MTPModel:
 # Fetched with every model, whatever weight files a rank needs: configs, the tokenizer, and
 # the head's own files (mlxmtp's mtp/ folder, other tools' sidecars: every rank holds the head).
 CONFIG_FILES = ["*.json", "*.py", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt", f"{mtp_folder.FOLDER}/*",
-                *(name for name in hf_head.SIDECARS if "/" not in name)]
+                *hf_head.SIDECARS]
 
 
 def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None,
