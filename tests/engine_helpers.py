@@ -1,9 +1,13 @@
-"""Shared helpers for the engine tests: mlx-lm references and forced-draft hooks."""
+"""Shared helpers for the engine tests: mlx-lm references, forced-draft hooks and a stand-in
+for the Hugging Face Hub."""
 
 from __future__ import annotations
 
+import fnmatch
 import random
+import shutil
 from functools import lru_cache
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -76,3 +80,20 @@ def calibration_calls(monkeypatch) -> list:
 
     monkeypatch.setattr(calibration, "measure_cycle_costs", spy)
     return calls
+
+
+def hub_from_folder(monkeypatch, source: Path, cache: Path, repo_id: str) -> None:
+    """models.load fetches `repo_id` from a copy of the local folder `source` into `cache`,
+    file by file as huggingface_hub's snapshot_download does by its allow_patterns."""
+    from mlxmtp.models import load as models_load
+
+    def fake_snapshot_download(repo, revision=None, allow_patterns=()):
+        assert repo == repo_id
+        for f in source.rglob("*"):
+            rel = str(f.relative_to(source))
+            if f.is_file() and any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
+                (cache / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, cache / rel)
+        return str(cache)
+
+    monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)

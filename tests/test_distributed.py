@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 from dist_helpers import BIN, WORKER, last_json, mlx_launch, run_worker
-from engine_helpers import loaded, prompt_of, reference_greedy
+from engine_helpers import hub_from_folder, loaded, prompt_of, reference_greedy
 from test_sampling_exact import chi2_quantile, chi2_two_sample
 
 from mlxmtp.checkpoint.split_plan import layer_split, make_plan
@@ -215,24 +215,11 @@ def test_last_json_takes_rank_zeros_line():
 def test_a_rank_fetches_only_its_files_from_the_hub(tmp_path, monkeypatch):
     """A Hub id: the configs first, then this rank's weight files only (huggingface_hub's
     snapshot_download stood in for by a copy of a local checkpoint, by its patterns)."""
-    import fnmatch
-
     from mlxmtp.distributed import load as dist_load
     from mlxmtp.models import load as models_load
 
     source = write_hf_checkpoint(tmp_path / "hub", "qwen3_next", num_shards=4, num_hidden_layers=8)
-    cache = tmp_path / "cache"
-
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=()):
-        assert repo_id == "org/model"
-        for f in source.rglob("*"):
-            rel = str(f.relative_to(source))
-            if f.is_file() and any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
-                (cache / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(f, cache / rel)
-        return str(cache)
-
-    monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)
+    hub_from_folder(monkeypatch, source, tmp_path / "cache", "org/model")
     configs = models_load.resolve_model_path("org/model", weight_files=[])
     assert not list(configs.glob("*.safetensors"))  # the configs come first, alone
     folder, plan = dist_load.fetch_share("org/model", configs, 1, 2)

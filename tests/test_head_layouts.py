@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from engine_helpers import hub_from_folder
 from mlx.utils import tree_flatten
 
 from mlxmtp.checkpoint import hf_head, mtp_folder
@@ -162,23 +163,11 @@ def test_unreadable_foreign_heads_are_refused_by_name(tmp_path):
 def test_a_rank_fetching_its_shards_from_the_hub_gets_the_sidecar_too(tmp_path, monkeypatch):
     """A distributed rank fetches only its own weight files, and the head's sidecar with them
     (every rank holds the head)."""
-    import fnmatch
-
     from mlxmtp.models import load as models_load
 
     source = _demo_without_head(tmp_path)
     shutil.copy(demo_model_path() / mtp_folder.FOLDER / mtp_folder.WEIGHTS, source / "mtp.safetensors")
-    cache = tmp_path / "cache"
-
-    def fake_snapshot_download(repo_id, revision=None, allow_patterns=()):
-        for f in source.rglob("*"):
-            rel = str(f.relative_to(source))
-            if f.is_file() and any(fnmatch.fnmatch(rel, p) for p in allow_patterns):
-                (cache / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(f, cache / rel)
-        return str(cache)
-
-    monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)
+    hub_from_folder(monkeypatch, source, tmp_path / "cache", "org/demo-mtp")
     folder = models_load.resolve_model_path("org/demo-mtp", weight_files=[])
     assert (folder / "mtp.safetensors").is_file() and not (folder / "model.safetensors").exists()
 

@@ -7,10 +7,10 @@ Done exactly as mlx-lm's `sanitize` treats the equivalent main-model tensors
 - fused `gate_up_proj` [E, 2I, H] (Qwen3.6) is split into gate / up halves.
 
 Heads that other tools leave in MLX folders go the same way: a sidecar file beside the
-shards (SIDECARS, or the one the config names), MLX-quantized layers (`.weight` packed, `.scales`, `.biases`: stacked and copied
-like the weight), names already in MTPHead form (`switch_mlp`, passed through) and norms
-already shifted (`convert_hf_head(..., shift_norms=False)`; the loader decides which from
-the values, models/head_layouts.py).
+shards (SIDECARS, or the one the config names), MLX-quantized layers (`.weight` packed,
+`.scales`, `.biases`: stacked and copied like the weight), names already in MTPHead form
+(`switch_mlp`, passed through) and norms already shifted (`convert_hf_head(...,
+shift_norms=False)`; the loader decides which from the values, models/head_layouts.py).
 
 `map_head_names` is the one statement of that mapping, by name only: `convert_hf_head`
 applies it to tensors in memory (the loader), the converter (convert/add_mtp_weights.py)
@@ -41,10 +41,10 @@ ZERO_CENTRED_NORMS = (
     "k_norm.weight",
 )
 _PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+_FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # Files other tools keep a head in, beside the shards an index lists (names relative to the
 # folder); a config may name another (`mlx_lm_extra_tensors.mtp_file`, `declared_sidecar`).
 SIDECARS = ("mtp.safetensors", "model-mtp.safetensors", "mtp/weights.safetensors", "optiq/mtp.safetensors")
-_FUSED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class HeadConversionError(ValueError):
@@ -75,7 +75,8 @@ def mtp_tensor_files(folder: Path) -> Dict[str, str]:
     folder = Path(folder)
     weight_map = checkpoint_weight_map(folder)
     listed = set(weight_map.values())
-    for name in dict.fromkeys([*filter(None, [declared_sidecar(folder)]), *SIDECARS]):
+    declared = declared_sidecar(folder)
+    for name in dict.fromkeys(([declared] if declared else []) + list(SIDECARS)):  # once each, in order
         if name not in listed and (folder / name).is_file():
             header, _ = read_header(folder / name)
             weight_map.update({tensor: name for tensor in header})
