@@ -21,7 +21,10 @@
 # whether the MoE fixture's states depend on how its tokens were split into forwards), ops
 # (bench/graph_ops.py: operations per token, where the mx.fast ops are single kernels; and
 # scripts/gpu_op_probe.py: which of the demo's operations cost more for T tokens than for 1),
-# seeded (bench/seeded_acceptance.py: what a reproducible seed costs against rejection sampling).
+# seeded (bench/seeded_acceptance.py: what a reproducible seed costs against rejection sampling),
+# ragged (bench/ragged_rows.py: short rows beside a 16000-token one, attention per run of rows
+# against one padded call, MTP off and k=2, shape-stable as on a GPU; and the row attention's
+# tests).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -78,6 +81,9 @@ for check in "$@"; do
              timeout 90 python3 scripts/gpu_op_probe.py 2>&1 | tee "$OUT/op_probe.md" ;;
         moe) MLX_ENABLE_TF32=0 timeout 60 python3 scripts/moe_reference_probe.py 2>&1 | tee "$OUT/moe_probe.md" ;;
         seeded) timeout 120 python3 bench/seeded_acceptance.py 2>&1 | tee "$OUT/seeded.md" ;;
+        ragged) timeout 150 python3 bench/ragged_rows.py --long 16000 --depths 0,2 2>&1 | tee "$OUT/ragged_rows.md"
+                MLX_ENABLE_TF32=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_row_attention.py \
+                    2>&1 | tee "$OUT/row_attention.txt" ;;
         *) echo "unknown check: $check" ;;
     esac
 done

@@ -163,6 +163,28 @@ def test_row_leaves_bench_measures_the_short_row_alone_and_after(fixture_model):
         assert speed > 0 and cap == 256
 
 
+def test_ragged_rows_bench_alternates_grouped_and_padded_attention(fixture_model, monkeypatch):
+    """bench/ragged_rows.py: one engine, its windows alternating between grouped attention
+    and one padded call (the call cost switched), then the default restored."""
+    bench = _bench_module("ragged_rows")
+    from mlxmtp.mlxlm import row_attention
+    from mlxmtp.models.load import load
+
+    model, tok = load(str(fixture_model("qwen3_5")["hf"]))
+    monkeypatch.setattr(row_attention, "CALL_COST_POSITIONS", 16)
+    rows = [[(7 * i) % 280 + 3 for i in range(300)], list(range(3, 23)), list(range(5, 15))]
+    eng = bench.decoding_batch(model, tok, rows, 2, 80)
+    assert len(eng.rows) == 3
+    batch_sizes = []  # of each attention call while measuring
+    inner = row_attention._mlx_lm_attention
+    monkeypatch.setattr(row_attention, "_mlx_lm_attention",
+                        lambda q, *a, **kw: batch_sizes.append(q.shape[0]) or inner(q, *a, **kw))
+    grouped, padded = bench.measure(eng, 2, 2)
+    assert len(grouped) == len(padded) == 2 and min(grouped + padded) > 0
+    assert {1, 2, 3} <= set(batch_sizes)  # grouped (the long row; the two short) and padded calls
+    assert row_attention.CALL_COST_POSITIONS == 16
+
+
 def test_graph_ops_bench_counts_sampled_batches(fixture_model):
     """bench/graph_ops.py's sampled batches: four rows with top-p and top-k (filtered in
     one group) cost few operations more per cycle than four temperature-only rows, and

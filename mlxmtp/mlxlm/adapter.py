@@ -8,15 +8,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from . import gdn_capture
+from . import gdn_capture, row_attention
 from .family import TextParts
 from .pipeline import local_layers
 from .ragged_cache import RaggedKVCache
 
 
 def prepare_model(model: nn.Module) -> None:
-    """One-time, behaviour-preserving patches needed for rollback (see gdn_capture)."""
+    """One-time patches: rollback's records (gdn_capture) and attention per group of rows
+    in batches of very different lengths (row_attention); both change no output."""
     gdn_capture.install(model)
+    row_attention.install()
 
 
 def is_linear(layer) -> bool:

@@ -17,6 +17,10 @@ attention) then pays once per capacity bucket, not once per position. The engine
 it on its decode caches for verify forwards (T >= 2) and for the head (all T); plain
 decoding (T = 1) keeps mlx-lm's exact slices.
 
+Rows of very different lengths: each forward plans runs of rows whose attention reads
+only their own extent of the buffers (`attention_groups`, see row_attention.py); then
+update_and_fetch hands over the whole buffer and the attention cuts each run's part.
+
 Deferred trims (`defer_trim` / `settle_trim`): a trim whose per-row counts are still on the
 device (a cycle built before the previous one was read). Until it is settled, `lengths`
 are upper bounds (what capacity is sized by) and the true ends are `lengths` minus the
@@ -31,6 +35,8 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask as _kv_mask
 
+from .row_attention import plan_groups
+
 
 class RaggedKVCache:
     step = 256
@@ -41,6 +47,8 @@ class RaggedKVCache:
         self.lengths: List[int] = [0] * batch_size
         self.fixed_shape_from: Optional[int] = None  # see the module docstring
         self.deferred: List[mx.array] = []  # [B] int32 trims not yet known on the host, oldest first
+        # Runs of rows the last forward's attention reads apart, or None (row_attention.py).
+        self.attention_groups = None
 
     # --- what mlx-lm's attention layers use -------------------------------------------
     @property
@@ -89,10 +97,26 @@ class RaggedKVCache:
             ends = self.ends()
             self.keys, self.values = write_at_ends(self.keys, ends, keys), write_at_ends(self.values, ends, values)
         self.lengths = [n + T for n in self.lengths]
-        if self.fixed_shape(T):
-            return self.keys, self.values
+        self.attention_groups = self._plan_groups(T)
+        if self.fixed_shape(T) or self.attention_groups is not None:
+            return self.keys, self.values  # row_attention cuts each group's extent
         end = max(self.lengths)
         return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _plan_groups(self, T: int):
+        """Runs of rows to attend apart in this forward (row_attention.plan_groups), from the
+        rows' lengths once its T tokens are written: their capacity buckets in shape-stable
+        mode (upper bounds while trims are deferred: the mask cuts the rest)."""
+        if len(self.lengths) < 2:
+            return None
+        if self.fixed_shape(T):
+            return plan_groups(tuple(self._whole_steps(n) for n in self.lengths))
+        return plan_groups(tuple(self.lengths))
+
+    def attends_as_lone_rows(self, start: int, stop: int, T: int) -> bool:
+        """Whether rows [start, stop) of the last forward attend as a lone row would: all of
+        one length and sliced to it (no mask for one token, "causal" for several)."""
+        return not self.fixed_shape(T) and len(set(self.lengths[start:stop])) == 1
 
     def query_bucket(self, N: int, width: int = 0) -> int:
         """How many query tokens a forward of N should be padded to: N; in shape-stable mode
