@@ -119,6 +119,7 @@ SCRIPTS = {
     "codex": ('<think>\nList files.\n</think>\n\n<tool_call>\n{"name": "shell", "arguments": '
               '{"command": ["ls", "-la"]}}\n</tool_call>'),
     "text": "All done.",
+    "docs": '<tool_call>\n{"name": "mcp__docs__search", "arguments": {"q": "rope"}}\n</tool_call>',
 }
 
 
@@ -228,6 +229,30 @@ def test_claude_code_sessions_reuse_one_prefill_whatever_their_billing_line(serv
     assert usages[1]["cache_read_input_tokens"] > 1000
     assert [u["input_tokens"] + u["cache_read_input_tokens"] for u in usages] == [count["input_tokens"]] * 2
     assert all(u["cache_creation_input_tokens"] == 0 for u in usages)
+
+
+def test_a_tool_claude_code_loads_later_keeps_the_cached_prompt(servers):
+    # Claude Code defers MCP tools (defer_loading) and adds each one ToolSearch loads to
+    # `tools`, mid-list. Deferred tools are not listed in the prompt, so the next request
+    # reads the whole prompt from the prefix cache (listed, it would be prefilled again
+    # from the tools on), and calls to the loaded tool still parse.
+    big, _ = servers
+    loaded = {"name": "mcp__docs__search", "description": "Search the docs.", "defer_loading": True,
+              "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}
+    placeholder = {"name": "DeferredToolPlaceholder", "description": "Never call it.", "defer_loading": True,
+                   "input_schema": {"type": "object", "properties": {}}}
+    usages = []
+    for extra, script in (([], "text"), ([loaded], "text"), ([loaded], "docs")):
+        body = claude_code_body(f"FORCE:{script}", history=True, nonce="a1b2c")
+        body["tools"] = body["tools"][:1] + extra + body["tools"][1:] + [placeholder]
+        r = httpx.post(big.url + "/v1/messages?beta=true", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        usages.append(events_of(r.text)[-2][1]["usage"])
+    total = usages[0]["input_tokens"] + usages[0]["cache_read_input_tokens"]
+    assert usages[1]["input_tokens"] + usages[1]["cache_read_input_tokens"] == total
+    assert usages[1]["cache_read_input_tokens"] >= total - 1
+    call = check_anthropic_stream(events_of(r.text))[-1]
+    assert call["type"] == "tool_use" and call["name"] == "mcp__docs__search" and call["input"] == {"q": "rope"}
 
 
 def test_claude_code_like_over_context_is_a_fast_400(servers):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mlxmtp.server.anthropic_input import anthropic_messages, anthropic_tools
+from mlxmtp.server.anthropic_input import anthropic_messages, anthropic_tools, listed_tools
 from mlxmtp.server.chat import build_prompt, encode_prompt, openai_messages, place_system, render
 from mlxmtp.server.errors import APIError, anthropic_error_body, openai_error_body
 from mlxmtp.server.reasoning import OutputSplitter, split_all, starts_in_thinking
@@ -207,6 +207,70 @@ def test_anthropic_messages_conversion():
     tools = anthropic_tools([{"name": "w", "description": "d", "input_schema": {"type": "object"}}])
     assert tools == [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"},
                                                        "description": "d"}}]
+
+
+def _search_tools(loaded=()):
+    """Claude Code's tools under tool search: listed ones, a placeholder and the tools it has
+    loaded, all but the listed marked defer_loading, the loaded ones in name order."""
+    schema = {"type": "object", "properties": {"url": {"type": "string"}}}
+    names = sorted(["Bash", "Read", "ToolSearch", *loaded])
+    tools = [dict({"name": n, "description": f"{n} tool.", "input_schema": schema},
+                  **({"defer_loading": True} if n in loaded else {})) for n in names]
+    return tools + [{"name": "DeferredToolPlaceholder", "description": "Never call it.",
+                     "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}]
+
+
+def test_deferred_tools_are_not_listed_and_a_tool_reference_loads_one():
+    raw = _search_tools(loaded=["WebFetch"])
+    functions = anthropic_tools(raw)
+    assert [t["function"]["name"] for t in listed_tools(raw, functions)] == ["Bash", "Read", "ToolSearch"]
+    assert len(functions) == 5  # calls to a deferred tool still parse
+    msgs = anthropic_messages(None, [
+        {"role": "user", "content": "fetch it"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                           "input": {"query": "select:WebFetch"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "tool_reference", "tool_name": "WebFetch"}]}, {"type": "text", "text": "Tool loaded."}]},
+    ], functions)
+    schema = {"description": "WebFetch tool.", "name": "WebFetch",
+              "parameters": {"type": "object", "properties": {"url": {"type": "string"}}}}
+    assert msgs[2] == {"role": "tool", "tool_call_id": "t1",
+                       "content": f"<functions>\n<function>{json.dumps(schema)}</function>\n</functions>"}
+    only_deferred = [dict(t, defer_loading=True) for t in raw]
+    assert listed_tools(only_deferred, anthropic_tools(only_deferred)) == anthropic_tools(only_deferred)
+    for ref, says in (({"type": "tool_reference", "tool_name": "Gone"}, "tool reference 'Gone' not found"),
+                      ({"type": "tool_reference"}, "need a 'tool_name'")):
+        with pytest.raises(APIError) as e:
+            anthropic_messages(None, [{"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [ref]}]}], functions)
+        assert e.value.status == 400 and says in e.value.message and "messages.0" in e.value.message
+
+
+def test_loading_a_deferred_tool_keeps_the_prompt_before_it(tmp_path):
+    """Claude Code after ToolSearch: the loaded tool joins `tools` mid-list and a tool_reference
+    names it. The prompt up to the new turn is the one before, token for token (its cached
+    prefix holds), and the schema is in the tool's result."""
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    from mlxmtp.testing.fixtures import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    tok = load_tok(tmp_path)
+    first = [{"role": "user", "content": "fetch example.org"}]
+    after = first + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                           "input": {"query": "select:WebFetch"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "tool_reference", "tool_name": "WebFetch"}]}]}]
+    prompts = []
+    for raw, msgs in ((_search_tools(), first), (_search_tools(loaded=["WebFetch"]), after)):
+        functions = anthropic_tools(raw)
+        prompts.append(build_prompt(tok, anthropic_messages("sys", msgs, functions),
+                                    listed_tools(raw, functions), enable_thinking=False))
+    turn = prompts[0].text.rindex("<|im_start|>assistant")
+    assert prompts[1].text[:turn] == prompts[0].text[:turn]
+    assert '"name": "WebFetch"' not in prompts[1].text[:turn]
+    assert '<function>{"description": "WebFetch tool.", "name": "WebFetch"' in prompts[1].text[turn:]
 
 
 def test_render_with_fixture_template(tmp_path):

@@ -4,7 +4,8 @@ Taken as clients send it: `role: "system"` entries inside `messages` (placed by
 chat.place_system), `output_config.format` (a JSON schema the answer is held to:
 structured_output.py), beta fields (`context_management`, the rest of `output_config`, `metadata`,
 `?beta=true`) ignored, `thinking.budget_tokens` an upper bound on the reasoning
-(thinking_budget.py), `tool_choice` any / tool forcing the call (chat.build_prompt).
+(thinking_budget.py), `tool_choice` any / tool forcing the call (chat.build_prompt), tools
+marked `defer_loading` listed only where a tool_reference loads them (anthropic_input.py).
 A last assistant message with text is a prefill: the answer continues it (chat.render).
 `count_tokens` renders through the same path, so it is the prompt the request prefills.
 """
@@ -18,7 +19,7 @@ from typing import List, Optional, Tuple
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
-from .anthropic_input import anthropic_messages, anthropic_tools, continues_prefill
+from .anthropic_input import anthropic_messages, anthropic_tools, continues_prefill, listed_tools
 from .chat import Prompt, build_prompt
 from .errors import APIError
 from .generation import Generation
@@ -79,14 +80,14 @@ def _conversation(state, body: dict) -> Tuple[str, Prompt, Optional[List[dict]]]
     model = check_model(state, body, anthropic=True)
     if "messages" not in body:
         raise APIError(400, "messages: field required")
-    msgs = anthropic_messages(body.get("system"), body["messages"])
     tools = anthropic_tools(body.get("tools"))
+    msgs = anthropic_messages(body.get("system"), body["messages"], tools)
     choice = anthropic_tool_choice(body, tools)
     if choice == "none":
         tools = None
     prefill = continues_prefill(msgs, f"messages.{len(body['messages']) - 1}.content")
-    prompt = build_prompt(state.tok, msgs, tools, _thinking(body)[0], state.template_kwargs(), tool_choice=choice,
-                          continue_final=prefill)
+    prompt = build_prompt(state.tok, msgs, listed_tools(body.get("tools"), tools), _thinking(body)[0],
+                          state.template_kwargs(), tool_choice=choice, continue_final=prefill)
     return model, prompt, tools
 
 

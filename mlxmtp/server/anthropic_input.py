@@ -3,10 +3,18 @@
 A user turn's tool results become `tool` messages (the template groups them into one
 <tool_response> turn); assistant thinking becomes `reasoning_content` and tool_use blocks
 `tool_calls`; tools become OpenAI-style function tools (what Qwen templates render).
+
+Tool search (Claude Code defers most MCP tools and some of its own): a tool marked
+`defer_loading` is left out of the tools the prompt lists, and its schema enters the
+conversation where a `tool_reference` block in a tool result names it, as Anthropic's API
+expands it. Claude Code adds each tool it loads to `tools` in the middle of the list; listed
+there, it would change the prompt from the tools on and cost a whole conversation's prefill
+per tool loaded. Calls to a deferred tool parse like any other.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, List, Optional
 
@@ -22,12 +30,32 @@ def _blocks(content: Any, where: str) -> List[dict]:
     raise APIError(400, f"{where}: 'content' must be a string or an array of content blocks")
 
 
-def _tool_result_text(content: Any, where: str) -> str:
+def _tool_result_text(content: Any, where: str, catalog: dict) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(_block_text(b, where) for b in _blocks(content, where))
+    blocks = _blocks(content, where)
+    refs = [b for b in blocks if b.get("type") == "tool_reference"]
+    texts = [_block_text(b, where) for b in blocks if b.get("type") != "tool_reference"]
+    return "\n".join(texts + ([loaded_schemas(refs, catalog, where)] if refs else []))
+
+
+def loaded_schemas(refs: List[dict], catalog: dict, where: str) -> str:
+    """What tool_reference blocks expand to: the named tools' schemas in a <functions>
+    block, one <function> line each (the form Claude Code's ToolSearch tells the model to
+    expect). catalog: name -> the request's function tool."""
+    lines = []
+    for ref in refs:
+        name = ref.get("tool_name")
+        if not isinstance(name, str):
+            raise APIError(400, f"{where}: tool_reference blocks need a 'tool_name'")
+        if name not in catalog:
+            raise APIError(400, f"{where}: tool reference {name!r} not found in available tools")
+        fn = catalog[name]["function"]
+        schema = {"description": fn.get("description", ""), "name": name, "parameters": fn["parameters"]}
+        lines.append(f"<function>{json.dumps(schema, ensure_ascii=False)}</function>")
+    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
 
 
 def _block_text(b: dict, where: str) -> str:
@@ -87,7 +115,9 @@ def anthropic_system(system: Any, where: str = "system") -> Optional[str]:
     return "\n".join(t for t in texts if t)
 
 
-def anthropic_messages(system: Any, messages: Any) -> List[Message]:
+def anthropic_messages(system: Any, messages: Any, tools: Optional[List[dict]] = None) -> List[Message]:
+    """tools: the request's function tools (anthropic_tools), which tool_reference blocks name."""
+    catalog = {t["function"]["name"]: t for t in tools or []}
     if not isinstance(messages, list):
         raise APIError(400, "messages: must be an array")
     if not messages:
@@ -104,7 +134,7 @@ def anthropic_messages(system: Any, messages: Any) -> List[Message]:
         if role == "system":  # not in Anthropic's API, but clients send it: placed by render
             out.append({"role": "system", "content": anthropic_system(m.get("content"), where) or ""})
         elif role == "user":
-            out += _anthropic_user(_blocks(m.get("content"), where), where)
+            out += _anthropic_user(_blocks(m.get("content"), where), where, catalog)
         elif role == "assistant":
             out.append(_anthropic_assistant(_blocks(m.get("content"), where), where))
         else:
@@ -126,7 +156,7 @@ def continues_prefill(msgs: List[Message], where: str) -> bool:
     return True
 
 
-def _anthropic_user(blocks: List[dict], where: str) -> List[Message]:
+def _anthropic_user(blocks: List[dict], where: str, catalog: dict) -> List[Message]:
     """A user turn -> its tool results as `tool` messages (the template groups them into
     one <tool_response> user turn), then its text as a user message."""
     out: List[Message] = []
@@ -136,7 +166,7 @@ def _anthropic_user(blocks: List[dict], where: str) -> List[Message]:
         if kind in ("text", "image", "document"):
             parts.append((kind == "text", _block_text(b, where)))
         elif kind == "tool_result":
-            text = _tool_result_text(b.get("content"), where)
+            text = _tool_result_text(b.get("content"), where, catalog)
             if b.get("is_error"):
                 text = "Error: " + text
             out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
@@ -191,3 +221,11 @@ def anthropic_tools(tools: Any) -> Optional[List[dict]]:
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
     return out or None
+
+
+def listed_tools(tools: Any, functions: Optional[List[dict]]) -> Optional[List[dict]]:
+    """The function tools the prompt lists up front: those not marked `defer_loading` (all
+    of them if every one is: the template then still says how to call a tool)."""
+    deferred = {t["name"] for t in tools or [] if t.get("defer_loading") is True}
+    listed = [f for f in functions or [] if f["function"]["name"] not in deferred]
+    return listed or functions
