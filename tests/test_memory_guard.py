@@ -12,7 +12,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.pieces import model_pieces
 from mlxmtp.engine.prefix_cache import PrefixCache
 from mlxmtp.engine.request import Request
-from mlxmtp.mlxlm import adapter
+from mlxmtp.mlxlm import adapter, row_attention
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 
 
@@ -98,12 +98,22 @@ def test_running_rows_take_memory_back_from_the_prefix_cache(fixture_model):
     assert not [key for key in eng.prefix_cache.entries if key[:40] == tuple(a.prompt)]  # a's gave way
 
 
-@pytest.mark.parametrize("mode", ["plain", "mtp", "pipelined", "adaptive"])
-def test_a_batch_that_outgrows_its_budget_sends_its_newest_row_back(fixture_model, monkeypatch, mode):
+@pytest.mark.parametrize("mode,split", [("plain", False), ("mtp", False), ("pipelined", False), ("adaptive", False),
+                                        ("plain", True), ("mtp", True)])
+def test_a_batch_that_outgrows_its_budget_sends_its_newest_row_back(fixture_model, monkeypatch, mode, split):
     """Two rows fit at first; once they grow past a buffer step only one does: the newer
     one waits, resumes by prefilling its tokens so far when the other has finished, and
-    both outputs equal mlx-lm's."""
+    both outputs equal mlx-lm's. `split`: the two rows, of different lengths, attend apart
+    (row_attention with no cost for a call) while they run together (sliced caches: in
+    shape-stable ones rows in one capacity bucket never split)."""
     monkeypatch.setattr(memory, "ADMIT_HEADROOM", 0)
+    grouped = []  # the groups planned for each attention call
+    if split:
+        monkeypatch.setattr(row_attention, "CALL_COST_POSITIONS", 0)
+        inner = row_attention._mlx_lm_attention
+        monkeypatch.setattr(row_attention, "_mlx_lm_attention",
+                            lambda *a, **kw: grouped.append(getattr(kw["cache"], "attention_groups", None))
+                            or inner(*a, **kw))
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     n = 300
     reqs = [Request(prompt=prompt_of(20, seed=21), max_tokens=n), Request(prompt=prompt_of(24, seed=22), max_tokens=n)]
@@ -120,6 +130,7 @@ def test_a_batch_that_outgrows_its_budget_sends_its_newest_row_back(fixture_mode
     finished = [i for _, i, w in log if w == "finish"]
     assert finished == [first.id, second.id]  # the older row went on; the newer waited
     assert eng.cache is None and not eng.waiting
+    assert not split or any(g is not None for g in grouped)
 
 
 def test_a_lone_row_starts_and_is_never_sent_back(fixture_model):
