@@ -236,6 +236,13 @@ def test_deferred_tools_are_not_listed_and_a_tool_reference_loads_one():
               "parameters": {"type": "object", "properties": {"url": {"type": "string"}}}}
     assert msgs[2] == {"role": "tool", "tool_call_id": "t1",
                        "content": f"<functions>\n<function>{json.dumps(schema)}</function>\n</functions>"}
+    mixed = anthropic_messages(None, [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                                   "content": [{"type": "text", "text": "found:"},
+                                                                               {"type": "tool_reference",
+                                                                                "tool_name": "WebFetch"},
+                                                                               {"type": "text", "text": "end"}]}]}],
+                               functions)
+    assert mixed[0]["content"] == f"found:\n<functions>\n<function>{json.dumps(schema)}</function>\n</functions>\nend"
     only_deferred = [dict(t, defer_loading=True) for t in raw]
     assert listed_tools(only_deferred, anthropic_tools(only_deferred)) == anthropic_tools(only_deferred)
     for ref, says in (({"type": "tool_reference", "tool_name": "Gone"}, "tool reference 'Gone' not found"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import groupby
 from typing import Any, List, Optional
 
 from .chat import Message, check_schema, left_out
@@ -35,10 +36,10 @@ def _tool_result_text(content: Any, where: str, catalog: dict) -> str:
         return ""
     if isinstance(content, str):
         return content
-    blocks = _blocks(content, where)
-    refs = [b for b in blocks if b.get("type") == "tool_reference"]
-    texts = [_block_text(b, where) for b in blocks if b.get("type") != "tool_reference"]
-    return "\n".join(texts + ([loaded_schemas(refs, catalog, where)] if refs else []))
+    # A run of tool_reference blocks expands where it stands, into one <functions> block.
+    runs = groupby(_blocks(content, where), key=lambda b: b.get("type") == "tool_reference")
+    return "\n".join(loaded_schemas(list(run), catalog, where) if refs else
+                     "\n".join(_block_text(b, where) for b in run) for refs, run in runs)
 
 
 def loaded_schemas(refs: List[dict], catalog: dict, where: str) -> str:
