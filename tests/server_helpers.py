@@ -31,11 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def load_bench_module():
-    """bench/load.py as the module `bench_load` (ServerProcess, the load generator)."""
-    spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
+def load_bench_module(name: str = "load"):
+    """bench/NAME.py as the module `bench_NAME` (by default bench/load.py: ServerProcess,
+    the load generator)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = mod  # dataclasses look their module up by name
+    sys.modules[f"bench_{name}"] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
     return mod
 

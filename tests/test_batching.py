@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
-from mlxmtp.engine.prefix_cache import PrefixTrie
+from mlxmtp.engine.prefix_trie import PrefixTrie
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm import adapter

@@ -8,3 +8,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 # Prompt tokens a prefill chunk takes by default: how long the batch's decoding may wait
 # for one chunk of a long prompt, against each chunk's own overheads.
 PREFILL_STEP = 512
+# The prefix cache's folder on disk (serve --prefix-cache-dir) holds at most this many MiB
+# by default: a few dozen long agent prompts' states of a large model.
+PREFIX_DISK_MB = 32 * 1024

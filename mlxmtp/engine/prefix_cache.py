@@ -11,16 +11,14 @@ entries (`serve --prompt-cache-size`), least recently used first out.
 An entry owns compact copies of its arrays (a row's share of a batch's caches, never
 views that keep the batch's whole buffers alive), so the byte budget is what it holds.
 
-Lookups walk a radix trie of the stored sequences, so a lookup costs the prompt's
-length, not the number of entries times it. mlx-lm's LRUPromptCache / PromptTrie
+Lookups walk a radix trie of the stored sequences (prefix_trie.py). With a folder given,
+entries it evicts go to disk and come back from there (prefix_disk.py). mlx-lm's LRUPromptCache / PromptTrie
 (mlx_lm.models.cache) do not fit these entries: their lookup answers with a deep copy
 of a plain prompt cache plus the tokens left (ours also carries the head's cache, its
 pending inputs and the logits), may trim a longer entry back (recurrent state cannot
 be), skips a one-token prefix, has no notion of an entry usable only as a strict prefix
 (ours stored without logits), and evicts by message type and entry count rather than
-least recently used under a byte budget. The trie here is
-compressed (an edge holds a run of tokens), so it has at most two nodes per entry
-however long the prompts are.
+least recently used under a byte budget.
 """
 
 from __future__ import annotations
@@ -29,13 +27,12 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from ..mlxlm import adapter
-
-Tokens = Tuple[int, ...]
+from .prefix_trie import PrefixTrie, Tokens
 
 log = logging.getLogger("mlxmtp")
 
@@ -61,106 +58,6 @@ class PrefixEntry:
     nbytes: int
 
 
-class _Node:
-    """A trie node: the entry stored for the sequence that ends here, if any, and the
-    edges on, keyed by their first token."""
-
-    __slots__ = ("entry", "edges")
-
-    def __init__(self) -> None:
-        self.entry: Optional[PrefixEntry] = None
-        self.edges: Dict[int, Tuple[Tokens, "_Node"]] = {}  # first token -> (the edge's tokens, child)
-
-
-class PrefixTrie:
-    """Stored token sequences in a radix trie. Every node but the root holds an entry or
-    branches (two or more edges): removal merges what would break that."""
-
-    def __init__(self) -> None:
-        self.root = _Node()
-
-    def prefixes(self, tokens: Tokens) -> List[PrefixEntry]:
-        """The entries whose sequence is a prefix of `tokens` (or equals it), shortest first."""
-        found: List[PrefixEntry] = []
-        node, depth = self.root, 0
-        while True:
-            if node.entry is not None:
-                found.append(node.entry)
-            edge = node.edges.get(tokens[depth]) if depth < len(tokens) else None
-            if edge is None:
-                return found
-            label, child = edge
-            end = depth + len(label)
-            if tokens[depth:end] != label:
-                return found
-            node, depth = child, end
-
-    def shared_length(self, tokens: Tokens) -> int:
-        """How many leading tokens of `tokens` some stored sequence starts with too."""
-        node, depth = self.root, 0
-        while depth < len(tokens):
-            edge = node.edges.get(tokens[depth])
-            if edge is None:
-                return depth
-            label, child = edge
-            common = _common_length(label, tokens, depth)
-            if common < len(label):
-                return depth + common
-            node, depth = child, depth + common
-        return depth
-
-    def insert(self, entry: PrefixEntry) -> None:
-        key = entry.tokens
-        node, depth = self.root, 0
-        while depth < len(key):
-            edge = node.edges.get(key[depth])
-            if edge is None:
-                leaf = _Node()
-                leaf.entry = entry
-                node.edges[key[depth]] = (key[depth:], leaf)
-                return
-            label, child = edge
-            common = _common_length(label, key, depth)
-            if common < len(label):  # the key leaves the edge part way: split it there
-                mid = _Node()
-                mid.edges[label[common]] = (label[common:], child)
-                node.edges[key[depth]] = (label[:common], mid)
-                child = mid
-            node, depth = child, depth + common
-        node.entry = entry
-
-    def remove(self, key: Tokens) -> None:
-        path: List[Tuple[_Node, int]] = []  # (parent, the first token of the edge taken)
-        node, depth = self.root, 0
-        while depth < len(key):
-            label, child = node.edges[key[depth]]
-            path.append((node, key[depth]))
-            node, depth = child, depth + len(label)
-        node.entry = None
-        # Drop a node left with nothing; merge one left with a single edge into its parent's edge.
-        while path and node.entry is None and len(node.edges) < 2:
-            parent, first = path.pop()
-            label, _ = parent.edges[first]
-            if node.edges:
-                (rest, grandchild), = node.edges.values()
-                parent.edges[first] = (label + rest, grandchild)
-                return
-            del parent.edges[first]
-            node = parent
-
-
-def _common_length(label: Tokens, key: Tokens, start: int) -> int:
-    """How many leading tokens of `label` match `key` from `start`."""
-    if key[start:start + len(label)] == label:
-        return len(label)
-    n = 0
-    for a, b in zip(label, key[start:]):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 class PrefixCache:
     def __init__(self, max_bytes: int, max_entries: Optional[int] = None):
         self.max_bytes = max_bytes
@@ -177,6 +74,8 @@ class PrefixCache:
         self.agree: Optional[Callable[[int], int]] = None
         # Bytes the running requests leave it (engine/memory.py), None: max_bytes alone.
         self.room: Optional[Callable[[], int]] = None
+        # Where evicted entries go, and are loaded back from (engine/prefix_disk.py), or None.
+        self.disk = None
 
     def limit(self) -> int:
         """Bytes it may hold now."""
@@ -188,6 +87,8 @@ class PrefixCache:
         most = len(self.entries) if self.max_entries is None else self.max_entries
         while self.bytes > max(0, nbytes) or len(self.entries) > most:
             _, old = self.entries.popitem(last=False)
+            if self.disk is not None and self._worth_writing(old.tokens):
+                self.disk.save(old)
             self.trie.remove(old.tokens)
             self.bytes -= old.nbytes
 
@@ -198,18 +99,59 @@ class PrefixCache:
         for entry in self.trie.prefixes(key):
             if len(entry.tokens) < len(key) or entry.last_logits.size > 0:  # equal length needs the logits
                 best = entry
+        if self.disk is not None:
+            best = self._from_disk(key, best)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        self.entries.move_to_end(best.tokens)
+        if best.tokens in self.entries:
+            self.entries.move_to_end(best.tokens)
         return best
+
+    def _from_disk(self, key: Tokens, best: Optional[PrefixEntry]) -> Optional[PrefixEntry]:
+        """`best`, or a longer stored sequence's state loaded from disk (kept in memory too,
+        where it fits)."""
+        found = self.disk.lookup(key)
+        if found is None or (best is not None and len(found.tokens) <= len(best.tokens)):
+            return best
+        loaded = self.disk.load(found)
+        if loaded is None:
+            return best
+        if loaded.nbytes <= self.limit():
+            held = self.entries.pop(loaded.tokens, None)  # the same tokens stored without logits
+            self.bytes -= held.nbytes if held is not None else 0
+            self.entries[loaded.tokens] = loaded
+            self.trie.insert(loaded)
+            self.bytes += loaded.nbytes
+            self.shrink_to(self.limit())
+        return loaded
+
+    def _worth_writing(self, tokens: Tokens) -> bool:
+        """Whether a state is worth a place on disk: one that no stored sequence extends,
+        or a branch point (the sequences extending it differ right after it). A state on
+        the way to a longer one (an earlier turn of a conversation stored since) is not:
+        written, every turn of every agent would be, and what a prompt starting there and
+        leaving that conversation needs is the branch point before it."""
+        return len(self.trie.next_tokens(tokens) | self.disk.trie.next_tokens(tokens)) != 1
+
+    def save_to_disk(self) -> None:
+        """Write the entries held in memory to disk (at shutdown), least recently used
+        first: those `_worth_writing`."""
+        if self.disk is not None:
+            for entry in list(self.entries.values()):
+                if self._worth_writing(entry.tokens):
+                    self.disk.save(entry)
 
     def shared_length(self, prompt: Sequence[int]) -> int:
         """How many leading tokens of `prompt` a stored sequence shares with it (where the
         prompt branches off what was seen before; a state there serves later prompts that
         share as much: see prefill)."""
-        return self.trie.shared_length(tuple(prompt)) if self.max_bytes > 0 else 0
+        if self.max_bytes <= 0:
+            return 0
+        key = tuple(prompt)
+        shared = self.trie.shared_length(key)
+        return shared if self.disk is None else max(shared, self.disk.shared_length(key))
 
     def store(self, tokens: List[int], cache: list, head_cache: Optional[list], pend_h, pend_t,
               last_logits: Optional[mx.array]) -> None:

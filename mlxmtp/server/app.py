@@ -18,9 +18,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine import memory
+from ..engine import memory, prefix_disk
 from ..engine.batch import BatchGenerator
-from ..engine.limits import PREFILL_STEP
+from ..engine.limits import PREFILL_STEP, PREFIX_DISK_MB
 from ..engine.pieces import model_pieces
 from ..engine.prefix_cache import default_budget
 from ..mlxlm.family import text_parts
@@ -44,6 +44,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                sampling_defaults: Optional[dict] = None, chat_template_args: Optional[dict] = None,
                default_max_tokens: Optional[int] = None, prefill_step: int = PREFILL_STEP,
                allowed_origins: Sequence[str] = (), prefix_cache_entries: Optional[int] = None,
+               prefix_cache_dir: Optional[str] = None, prefix_cache_disk_mb: int = PREFIX_DISK_MB,
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
@@ -53,7 +54,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     end; completions: 16, as OpenAI's); request bodies over `max_body_mb` MiB get 413;
     `allowed_origins` are the web origins browsers may call it from (CORS; none by default).
     Any model name is answered (under the name asked for) unless `strict_model_name`: then
-    only the model id and its aliases.
+    only the model id and its aliases. `prefix_cache_dir`: the prefix cache's folder on disk,
+    of `prefix_cache_disk_mb` MiB at most (engine/prefix_disk.py; None: memory only).
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
     distributed server passes its own)."""
     _materialize(model)
@@ -61,14 +63,13 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     metrics = Metrics()
     options = engine_options(model, enable_mtp, num_draft, max_concurrent, prefix_cache_mb, pipeline_drafts,
                              compile_steps, memory_mb, prefill_step, prefix_cache_entries)
-    budget = options["prefix_cache_bytes"]
-    log.info("prefix cache: up to %s%s", f"{budget >> 20} MiB" if budget >= 2**20 or not budget else f"{budget} bytes",
-             f", {prefix_cache_entries} entries" if prefix_cache_entries else "")
+    _log_prefix_cache(options["prefix_cache_bytes"], prefix_cache_entries)
     args = text_parts(model).args
     serve_tokenizer(tok, args.vocab_size)  # what response formats are compiled for
     context_length = _context_in_memory(model, mtp_active, context_length or args.max_position_embeddings,
                                         options["memory_bytes"])
-    bridge = EngineBridge(lambda: engine_factory(model, tok, **options), metrics)
+    bridge = EngineBridge(_with_disk(lambda: engine_factory(model, tok, **options), prefix_cache_dir,
+                                     prefix_cache_disk_mb), metrics)
     metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
     metrics.watch_memory(lambda: bridge.engine.memory if bridge.engine is not None else None)
     model_id = model_id or "mlxmtp-demo"
@@ -94,6 +95,24 @@ async def _engine_running(bridge: EngineBridge, app):
         yield
     finally:
         bridge.stop()
+
+
+def _log_prefix_cache(budget: int, entries: Optional[int]) -> None:
+    log.info("prefix cache: up to %s%s", f"{budget >> 20} MiB" if budget >= 2**20 or not budget else f"{budget} bytes",
+             f", {entries} entries" if entries else "")
+
+
+def _with_disk(make_engine: Callable[[], BatchGenerator], folder: Optional[str], disk_mb: int):
+    """`make_engine`, whose engines keep prefix cache entries in `folder` too (if given)."""
+    if not folder:
+        return make_engine
+
+    def make() -> BatchGenerator:
+        engine = make_engine()
+        prefix_disk.attach(engine, Path(folder), disk_mb << 20)
+        return engine
+
+    return make
 
 
 def engine_options(model, enable_mtp: bool, num_draft: Optional[int], max_concurrent: int,

@@ -11,7 +11,7 @@ import socket
 import click
 
 from ..engine.cli_options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
-from ..engine.limits import PREFILL_STEP
+from ..engine.limits import PREFILL_STEP, PREFIX_DISK_MB
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -62,6 +62,12 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
                    "no count, only its memory bounds it (mlx-lm's default is 10): entries are stored at every "
                    "prompt's end, request's end and branch point, so a small count soon evicts the shared "
                    "system prompt's entry that agents reuse.")
+@click.option("--prefix-cache-dir", default=None, type=click.Path(file_okay=False),
+              help="A folder where the prefix cache keeps the states it evicts from memory and those it holds "
+                   "at shutdown; a prompt that starts with one loads it instead of prefilling, also after a "
+                   "restart (one subfolder per model). Default: memory only.")
+@click.option("--prefix-cache-disk-mb", default=PREFIX_DISK_MB, show_default=True, type=click.IntRange(min=1),
+              help="The most MiB of files --prefix-cache-dir holds, the least recently used leaving first.")
 @click.option("--memory-mb", default=None, type=click.IntRange(min=0),
               help="Memory the caches of running requests and the prefix cache may take together (0 = "
                    "unbounded; default: the device's limit, Metal's recommended working set, less the "
@@ -112,7 +118,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None, chat_template=None,
           chat_template_args=None, adapter_path=None, default_max_tokens=None, prefill_step=PREFILL_STEP,
           allowed_origins=(), prompt_cache_bytes=None, prefix_cache_entries=None, trust_remote_code=False,
-          use_default_chat_template=False):
+          use_default_chat_template=False, prefix_cache_dir=None, prefix_cache_disk_mb=PREFIX_DISK_MB):
     """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP.
     mlx_lm.server's options are accepted under their names; those mlxmtp cannot honour are refused."""
@@ -128,6 +134,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     # Without an explicit --enable-mtp a headless model simply runs without MTP.
     fallback = mtp_fallback or enable_mtp is None
     group = launched_group()
+    _check_prefix_cache_dir(prefix_cache_dir, prefix_cache_mb, group)
     if group is None or group.rank() == 0:
         _check_address(host, port)  # before the (slow) model load, as the API key
     # The engine's settings: every rank must be started with the same (distributed/group.py).
@@ -141,18 +148,18 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
         from .app import engine_options  # on use, as above
 
         return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, memory_mb=memory_mb, **settings))
-    name = model or "mlxmtp-demo"
     _log_start(model, m, num_draft, host, api_key)
     _check_changes(tok, adapter_path, chat_template, chat_template_args)
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .app import create_app
 
-    app = create_app(m, tok, model_id=name, enable_mtp=want_mtp, **settings,
+    app = create_app(m, tok, model_id=model or "mlxmtp-demo", enable_mtp=want_mtp, **settings,
                      engine_factory=_engine_factory(group, dist_timeout),
                      max_prompt_tokens=max_prompt_tokens, memory_mb=memory_mb, api_key=api_key,
                      aliases=aliases, context_length=context_length, max_body_mb=max_body_mb,
                      strict_model_name=strict_model_name, chat_template_args=chat_template_args,
                      default_max_tokens=default_max_tokens, allowed_origins=allowed_origins,
+                     prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_mb=prefix_cache_disk_mb,
                      sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
     _run(app, host, port, log_level, shutdown_timeout)
 
@@ -238,6 +245,24 @@ def _size(value):
         return parse_size(value)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--prompt-cache-bytes") from None
+
+
+def _check_prefix_cache_dir(folder, prefix_cache_mb, group) -> None:
+    """Refuse a prefix cache folder that cannot serve (before the model load)."""
+    if not folder:
+        return
+    if group is not None:
+        raise click.UsageError("--prefix-cache-dir is not supported under mlx.launch: every rank would load "
+                               "and evict states on its own")
+    if prefix_cache_mb == 0:
+        raise click.UsageError("--prefix-cache-dir keeps what the prefix cache evicts from memory: it needs "
+                               "--prefix-cache-mb above 0")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"no permission to write in {folder}")
+    except OSError as e:
+        raise click.UsageError(f"--prefix-cache-dir {folder}: {e}") from e
 
 
 def _prefix_cache_mb(prefix_cache_mb, prompt_cache_bytes):

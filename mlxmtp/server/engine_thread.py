@@ -30,6 +30,9 @@ from ..engine.batch import BatchGenerator
 from ..engine.request import Event, Request
 
 log = logging.getLogger("mlxmtp.server")
+# Seconds a stopping server waits for the prefix cache to be written to disk (a few GB of a
+# large model's states take seconds; an unfinished file is never used: see prefix_disk.py).
+SAVE_TIMEOUT = 300.0
 
 
 class EngineBridge:
@@ -46,6 +49,7 @@ class EngineBridge:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.restarts = 0
+        self.saving = False  # the engine thread is writing the prefix cache to disk
 
     # ------------------------------------------------------------------ any thread
     def start(self, timeout: float = 120.0) -> None:
@@ -63,6 +67,9 @@ class EngineBridge:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self.saving:  # its files are renamed into place only once complete
+                log.info("writing the prefix cache to disk before exiting")
+                self._thread.join(timeout=SAVE_TIMEOUT)
             self._thread = None
 
     def submit(self, req: Request) -> asyncio.Queue:
@@ -143,9 +150,24 @@ class EngineBridge:
         try:
             self._loop()
         finally:
+            self._save_prefix_cache()
             close = getattr(self.engine, "close", None)  # a distributed engine tells its other ranks
             if close is not None:
                 close()
+
+    def _save_prefix_cache(self) -> None:
+        """Write what the prefix cache holds to its disk store, if it has one (a restarted
+        server then starts from those states)."""
+        pc = getattr(self.engine, "prefix_cache", None)
+        if pc is None or pc.disk is None:
+            return
+        self.saving = True
+        try:
+            pc.save_to_disk()
+        except Exception:  # noqa: BLE001 - stopping must not fail for it
+            log.exception("could not write the prefix cache to disk")
+        finally:
+            self.saving = False
 
     def _loop(self) -> None:
         while not self._stop:
@@ -199,6 +221,7 @@ class EngineBridge:
         # started: still in the inbox, or waiting with no prefill state yet.
         untouched = set(eng.unstarted_request_ids())
         cancelled = set(eng.cancelled_ids())
+        self._save_prefix_cache()  # its entries are copies no step touches: the new engine reads them
         with self._lock:
             try:
                 self.engine = self._make_engine()

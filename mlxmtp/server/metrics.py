@@ -51,6 +51,10 @@ class Metrics:
                                           registry=r)
         self.prefix_cache_lookups = Gauge(p + "prefix_cache_lookups", "Prefix cache lookups by result, since the "
                                           "engine started.", ["result"], registry=r)
+        self.prefix_disk_bytes = Gauge(p + "prefix_cache_disk_bytes", "Bytes of files the prefix cache keeps on "
+                                       "disk (--prefix-cache-dir).", registry=r)
+        self.prefix_disk_entries = Gauge(p + "prefix_cache_disk_entries", "States the prefix cache keeps on disk.",
+                                         registry=r)
         self.memory_budget = Gauge(p + "memory_budget_bytes", "What the caches of running requests and the "
                                    "prefix cache may hold together (0: unbounded).", registry=r)
         self.memory_running = Gauge(p + "memory_running_bytes", "What the caches of running requests take, "
@@ -67,6 +71,10 @@ class Metrics:
         self.prefix_cache_entries.set_function(read(lambda c: len(c.entries)))
         self.prefix_cache_lookups.labels("hit").set_function(read(lambda c: c.hits))
         self.prefix_cache_lookups.labels("miss").set_function(read(lambda c: c.misses))
+        # "disk": the hits that loaded their state from disk.
+        self.prefix_cache_lookups.labels("disk").set_function(read(lambda c: c.disk.loads if c.disk else 0))
+        self.prefix_disk_bytes.set_function(read(lambda c: c.disk.bytes if c.disk else 0))
+        self.prefix_disk_entries.set_function(read(lambda c: len(c.disk.entries) if c.disk else 0))
 
     def watch_memory(self, current: Callable[[], Optional[MemoryGuard]]) -> None:
         """Read the memory guard at each scrape; `current()`: the running engine's, or None."""
