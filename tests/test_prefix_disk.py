@@ -4,6 +4,7 @@ start with them, also by a new engine (a restarted server), giving the output a 
 prefill gives (mlx-lm's own). Files of another model, broken or half-written ones are never
 restored; the folder stays within its budget."""
 
+import functools
 import json
 
 import httpx
@@ -255,6 +256,10 @@ def test_an_engine_rebuilt_after_a_failure_keeps_the_states_of_the_one_before(st
     assert ask("four") == shared
     assert bridge.restarts == restarts + 1 and bridge.engine is not old
     assert bridge.engine.prefix_cache.disk.loads == 1
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert 'mlxmtp_prefix_cache_lookups{result="disk"} 1.0' in metrics
+    entries = [ln for ln in metrics.splitlines() if ln.startswith("mlxmtp_prefix_cache_disk_entries ")]
+    assert entries and float(entries[0].split()[1]) >= 2  # the branch point and a request's end
 
 
 def test_a_state_with_logits_on_disk_replaces_the_same_one_without_in_memory(fixture_model, tmp_path):
@@ -303,3 +308,28 @@ def test_a_store_inside_the_model_folder_keeps_its_fingerprint(fixture_model, tm
     eng.prefix_cache.save_to_disk()
     again = engine(model, tok, folder / "prefix-store")
     assert again.prefix_cache.disk.folder == eng.prefix_cache.disk.folder and again.prefix_cache.disk.entries
+
+
+def test_a_full_disk_costs_only_the_saving(fixture_model, tmp_path, monkeypatch, caplog):
+    """A write that fails (no space left) leaves no file and no entry; serving goes on."""
+    from mlxmtp.engine import prefix_files
+
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = engine(model, tok, tmp_path, memory=300_000)
+    real = prefix_files.write_atomically
+
+    def write_then_fail(write, tmp):
+        write(tmp)  # part of the arrays' file is there when the disk fills up
+        raise OSError(28, "No space left on device")
+
+    def full(path, write):
+        if path.suffix == ".safetensors":
+            write = functools.partial(write_then_fail, write)
+        real(path, write)
+
+    monkeypatch.setattr(prefix_files, "write_atomically", full)
+    prompts = [prompt_of(200, seed=50 + i) for i in range(4)]
+    outs, _ = run(eng, prompts)
+    assert [o for o in outs] == [reference_greedy(ref, p, 12) for p in prompts]
+    assert not eng.prefix_cache.disk.entries and not list(eng.prefix_cache.disk.folder.iterdir())
+    assert "No space left on device" in caplog.text

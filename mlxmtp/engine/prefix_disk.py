@@ -161,8 +161,9 @@ class DiskPrefixStore:
             prefix_files.write_atomically(data, lambda tmp: mx.save_safetensors(str(tmp), arrays))
             meta["file_bytes"] = file_bytes = data.stat().st_size
             prefix_files.write_atomically(index, lambda tmp: tmp.write_text(json.dumps(meta)))
-        except (OSError, RuntimeError):  # a full disk, say: the entry is only a saving of work
-            log.exception("could not write a prefix cache entry of %d tokens to %s", len(entry.tokens), self.folder)
+        except (OSError, RuntimeError) as e:  # a full disk, say: the entry is only a saving of work
+            log.warning("could not write a prefix cache entry of %d tokens to %s: %s", len(entry.tokens),
+                        self.folder, e)
             prefix_files.remove(index)
             prefix_files.remove(data)
             return
