@@ -12,13 +12,14 @@ An entry owns compact copies of its arrays (a row's share of a batch's caches, n
 views that keep the batch's whole buffers alive), so the byte budget is what it holds.
 
 Lookups walk a radix trie of the stored sequences (prefix_trie.py). With a folder given,
-entries it evicts go to disk and come back from there (prefix_disk.py). mlx-lm's LRUPromptCache / PromptTrie
-(mlx_lm.models.cache) do not fit these entries: their lookup answers with a deep copy
-of a plain prompt cache plus the tokens left (ours also carries the head's cache, its
-pending inputs and the logits), may trim a longer entry back (recurrent state cannot
-be), skips a one-token prefix, has no notion of an entry usable only as a strict prefix
-(ours stored without logits), and evicts by message type and entry count rather than
-least recently used under a byte budget.
+entries it evicts go to disk and come back from there (prefix_disk.py).
+
+mlx-lm's LRUPromptCache / PromptTrie (mlx_lm.models.cache) do not fit these entries:
+their lookup answers with a deep copy of a plain prompt cache plus the tokens left (ours
+also carries the head's cache, its pending inputs and the logits), may trim a longer entry
+back (recurrent state cannot be), skips a one-token prefix, has no notion of an entry
+usable only as a strict prefix (ours stored without logits), and evicts by message type
+and entry count rather than least recently used under a byte budget.
 """
 
 from __future__ import annotations
