@@ -333,3 +333,29 @@ def test_a_full_disk_costs_only_the_saving(fixture_model, tmp_path, monkeypatch,
     assert [o for o in outs] == [reference_greedy(ref, p, 12) for p in prompts]
     assert not eng.prefix_cache.disk.entries and not list(eng.prefix_cache.disk.folder.iterdir())
     assert "No space left on device" in caplog.text
+
+
+def test_writes_stop_short_of_filling_the_disk(fixture_model, tmp_path, monkeypatch, caplog):
+    """Whatever its budget, the folder never takes the disk's reserve: its own least recently
+    used entries make room where they can, and past that nothing is written (warned once)."""
+    import shutil
+    from collections import namedtuple
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = engine(model, tok, tmp_path, memory=300_000)
+    disk = eng.prefix_cache.disk
+    Usage = namedtuple("Usage", "total used free")
+    room = {"bytes": 10 << 30}  # free on the disk were the store's files deleted
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(20 << 30, 0, room["bytes"] - disk.bytes))
+    run(eng, [prompt_of(200, seed=60 + i) for i in range(3)], max_tokens=4)
+    written = set(disk.entries)
+    assert len(written) >= 2
+    room["bytes"] = prefix_disk.MIN_FREE_BYTES + 300_000  # the disk filled up: room for two entries
+    run(eng, [prompt_of(200, seed=70 + i) for i in range(3)], max_tokens=4)
+    assert disk.entries and disk.bytes <= 300_000 and not set(disk.entries) & written  # the old made room
+    assert not disk.warned_full
+    room["bytes"] = prefix_disk.MIN_FREE_BYTES  # no room even without the store's files: kept as they are
+    held = set(disk.entries)
+    run(eng, [prompt_of(200, seed=80 + i) for i in range(3)], max_tokens=4)
+    assert caplog.text.count("has no room left") == 1 and disk.warned_full
+    assert set(disk.entries) == held

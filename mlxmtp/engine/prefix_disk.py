@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -35,6 +36,7 @@ from .prefix_cache import PrefixEntry
 from .prefix_trie import PrefixTrie, Tokens
 
 log = logging.getLogger("mlxmtp")
+MIN_FREE_BYTES = 2 << 30  # the least a write leaves free on the disk (see DiskPrefixStore._room_for)
 
 
 
@@ -80,6 +82,7 @@ class DiskPrefixStore:
         self.trie = PrefixTrie()
         self.bytes = 0
         self.loads = 0
+        self.warned_full = False  # the disk was too full for the last write (warned once)
         self._read_index()
         self._make_room_among_models()
 
@@ -150,8 +153,9 @@ class DiskPrefixStore:
 
     # ------------------------------------------------------------------ files
     def save(self, entry: PrefixEntry) -> None:
-        """Write `entry` unless it is stored already or larger than the whole budget."""
-        if entry.tokens in self.entries or entry.nbytes > self.max_bytes:
+        """Write `entry` unless it is stored already, larger than the whole budget, or the
+        disk has no room for it (see `_room_for`)."""
+        if entry.tokens in self.entries or entry.nbytes > self.max_bytes or not self._room_for(entry.nbytes):
             return
         name = hashlib.sha256(repr(entry.tokens).encode()).hexdigest()[:32]
         arrays, meta = prefix_files.flatten(entry)
@@ -169,6 +173,22 @@ class DiskPrefixStore:
             return
         self.shrink_to(self.max_bytes - file_bytes)
         self._add(DiskEntry(entry.tokens, name, entry.nbytes, file_bytes, entry.last_logits.size > 0))
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether `nbytes` more leave the disk with its reserve free (a twentieth of it, at
+        least MIN_FREE_BYTES: the folder's budget must never be what fills the disk), once
+        this store's least recently used entries have made the room, where they can."""
+        usage = shutil.disk_usage(self.folder.parent)
+        reserve = max(MIN_FREE_BYTES, usage.total // 20)
+        short = nbytes + reserve - usage.free
+        if 0 < short <= self.bytes:  # deleting its own oldest files makes the room
+            self.shrink_to(self.bytes - short)
+            short = nbytes + reserve - shutil.disk_usage(self.folder.parent).free
+        if short > 0 and not self.warned_full:
+            log.warning("prefix cache on disk: %s has no room left beside its reserve; evicted states are not "
+                        "written until it has", self.folder)
+        self.warned_full = short > 0
+        return short <= 0
 
     def load(self, found: DiskEntry) -> Optional[PrefixEntry]:
         """The entry's state; None, and the entry deleted, when it cannot be read or does

@@ -67,7 +67,8 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
                    "at shutdown; a prompt that starts with one loads it instead of prefilling, also after a "
                    "restart (one subfolder per model). Default: memory only.")
 @click.option("--prefix-cache-disk-mb", default=PREFIX_DISK_MB, show_default=True, type=click.IntRange(min=1),
-              help="The most MiB of files --prefix-cache-dir holds, the least recently used leaving first.")
+              help="The most MiB of files --prefix-cache-dir holds, the least recently used leaving first; "
+                   "it never writes into the disk's last twentieth (at least 2 GiB).")
 @click.option("--memory-mb", default=None, type=click.IntRange(min=0),
               help="Memory the caches of running requests and the prefix cache may take together (0 = "
                    "unbounded; default: the device's limit, Metal's recommended working set, less the "
