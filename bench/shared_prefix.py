@@ -5,8 +5,9 @@ and tool definitions, thousands of tokens long. Each conversation here is one ch
 request: that system prompt plus its own short user message, greedy, one output token,
 sent one after another. Prints, per conversation, the prompt tokens, how many of them the
 prefix cache restored (`usage.prompt_tokens_details.cached_tokens`) and the time to the
-first token. The first two prefill everything (the second stores the state where it
-branches off the first); from the third on only the user message is prefilled.
+first token. The first prefills everything, storing the state where its system prompt
+ends on the way (the request's shared_prefix); from the second on only the user message is
+prefilled.
 
     python bench/shared_prefix.py                       # demo model, 4 conversations
     python bench/shared_prefix.py --model PATH --rules 200 --conversations 6

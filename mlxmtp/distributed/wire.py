@@ -49,6 +49,7 @@ def request_to_wire(req: Request) -> dict:
         params["logit_bias"] = [[int(t), float(v)] for t, v in params["logit_bias"].items()]
     return {"id": req.id, "prompt": list(req.prompt), "max_tokens": req.max_tokens, "stop": list(req.stop),
             "stop_token_ids": req.stop_token_ids, "num_draft": req.num_draft, "logprobs": req.logprobs,
+            "shared_prefix": req.shared_prefix,
             "params": params, "processors": [_recipe(p) for p in req.params.logits_processors]}
 
 
@@ -59,4 +60,4 @@ def request_from_wire(d: dict) -> Request:
     procs: List[Callable] = [_rebuild(r) for r in d["processors"]]
     return Request(prompt=d["prompt"], max_tokens=d["max_tokens"], params=SamplingParams(**params, logits_processors=procs),
                    stop=d["stop"], stop_token_ids=d["stop_token_ids"], num_draft=d["num_draft"],
-                   logprobs=d["logprobs"], id=d["id"])
+                   logprobs=d["logprobs"], shared_prefix=d["shared_prefix"], id=d["id"])

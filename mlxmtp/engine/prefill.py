@@ -7,7 +7,9 @@ and the row joins the batch. The prefix cache seeds a prompt that continues an e
 one, and keeps the state at the end of every prompt.
 
 Where a prompt branches off the stored sequences (two conversations sharing a long
-system prompt), its prefill stops once to store the state there (`_checkpoint`).
+system prompt), and where the part the server knows other conversations share ends (the
+request's `shared_prefix`: its system prompt and tools), its prefill stops to store the
+state there (`_checkpoints`).
 
 A row sent back to wait for memory (engine/memory.py) is prefilled the same way over
 everything it had fed before (its prompt and all its tokens but the last), and then
@@ -92,12 +94,13 @@ class Prefiller:
         todo = len(prompt) - 1 - row.done_prompt
         if todo > 0:
             n = min(todo, self.step - row.done_prompt % self.step)
-            if row.done_prompt < row.checkpoint:
-                n = min(n, row.checkpoint - row.done_prompt)
+            stop = next((c for c in row.checkpoints if c > row.done_prompt), None)
+            if stop is not None:
+                n = min(n, stop - row.done_prompt)
             self._forward(row, prompt[row.done_prompt : row.done_prompt + n], logits_needed=False)
             row.done_prompt += n
-            if row.done_prompt == row.checkpoint:
-                self._store(row, None)  # only ever a strict prefix of the prompts it serves
+            if row.done_prompt in row.checkpoints:
+                self._store(row, None, boundary=True)  # only ever a strict prefix of the prompts it serves
             return False
         if row.done_prompt < len(prompt):
             logits = self._forward(row, prompt[-1:], logits_needed=True)
@@ -106,10 +109,11 @@ class Prefiller:
             self._store(row, row.last_logits)
         return True
 
-    def _store(self, row: Row, last_logits) -> None:
-        """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache."""
+    def _store(self, row: Row, last_logits, boundary: bool = False) -> None:
+        """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache
+        (`boundary`: a checkpoint, where other prompts are known or expected to branch off)."""
         self.prefix_cache.store(row.prompt[: row.done_prompt], row.cache, row.head_cache,
-                                pending_array(row.pend), row.pend_t, last_logits)
+                                pending_array(row.pend), row.pend_t, last_logits, boundary)
 
     def _first_token(self, row: Row, events: List[Event]) -> bool:
         """Sample and emit the first token; True if that already finished the request. A
@@ -141,20 +145,22 @@ class Prefiller:
         else:
             row.cache = adapter.make_cache(self.pieces.parts, 1)
             row.head_cache = adapter.make_head_cache(self.pieces.head, 1) if self.pieces.head is not None else None
-        row.checkpoint = self._checkpoint(row)
+        row.checkpoints = self._checkpoints(row)
 
-    def _checkpoint(self, row: Row) -> int:
-        """Where the prompt branches off every stored sequence, if a state there is worth
-        storing: 0 otherwise.
+    def _checkpoints(self, row: Row) -> List[int]:
+        """Where the prompt's prefill stops to store its state, in order: where the prompt
+        branches off every stored sequence, and where the part other conversations share
+        ends (the request's `shared_prefix`), each where a state there is worth storing.
 
         Entries are only usable whole (Gated DeltaNet state cannot be cut back), so two
         conversations with one long system prompt share nothing until a state at their
-        branch point is stored. The second such prompt stores it on the way (its prefill
-        stops there once), and every later one starts from it. A shared part shorter than
-        a chunk costs at most a chunk to prefill again."""
-        branch = self.prefix_cache.shared_length(row.prompt)
-        worth = branch - row.done_prompt >= self.step and branch < len(row.prompt)
-        return branch if worth else 0
+        branch point is stored. The first such prompt stores it on the way where the server
+        says where its system prompt and tools end; otherwise the second, where it branches
+        off the first; every later one starts from it. A shared part shorter than a chunk
+        costs at most a chunk to prefill again."""
+        done, end = row.done_prompt, len(row.prompt)
+        stops = (self.prefix_cache.shared_length(row.prompt), row.req.shared_prefix)
+        return sorted({n for n in stops if n - done >= self.step and n < end})
 
     def _forward(self, row: Row, tokens: List[int], logits_needed: bool) -> mx.array:
         """Run prompt tokens through the main model (and the head) -> logits [1, T, V],
@@ -173,7 +179,7 @@ class Prefiller:
             # last stays pending, as at a prompt's end: the stored state must not depend on
             # the token after it (the prompts that share the state differ there).
             end = done + len(tokens)
-            row.pend_t = row.prompt[done - nh + 1 : end if end == row.checkpoint else end + 1]
+            row.pend_t = row.prompt[done - nh + 1 : end if end in row.checkpoints else end + 1]
             n = len(row.pend_t)
             if n:
                 _, rest = head_pass(p.head, p.vocab, row.head_cache, [row.pend], [row.pend_t], [n])

@@ -21,6 +21,9 @@ class Request:
     stop_token_ids: Optional[List[int]] = None  # None: the tokenizer's EOS tokens
     num_draft: Optional[int] = None  # pin this request's depth (0 = no MTP)
     logprobs: Optional[int] = None  # None: none; 0: chosen token only; n: plus top n
+    # Leading prompt tokens that other conversations share (the server's rendering of the system
+    # prompt and tools): prefill stores the state there for them (see prefill).
+    shared_prefix: int = 0
     id: int = field(default_factory=lambda: next(_ids))
 
     def validate(self, vocab_size: Optional[int] = None, max_depth: int = MAX_DRAFT_DEPTH) -> None:

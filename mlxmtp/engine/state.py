@@ -45,7 +45,7 @@ class Row:
     head_cache: Optional[list] = None
     done_prompt: int = 0  # prompt tokens already fed
     resuming: bool = False  # sent back to wait (engine/memory.py): its prefill emits no first token
-    checkpoint: int = 0  # prefill stops here once to store its state (see prefill), 0: nowhere
+    checkpoints: List[int] = field(default_factory=list)  # prefill stops at each to store its state (see prefill)
     t0: float = 0.0  # when its prefill started
     last_logits: Optional[mx.array] = None  # [V] after the prompt's last token
     first_lp: Optional[list] = None  # the first token's logprob table row (see verify.logprob_table)
@@ -67,7 +67,7 @@ def to_resume(row: Row) -> Row:
     token it has but the last, which it then feeds in its next cycle as before."""
     row.prompt, row.resuming = row.tokens[:-1], True
     row.pend, row.pend_t = [], []
-    row.done_prompt = row.checkpoint = 0
+    row.done_prompt, row.checkpoints = 0, []
     row.last_logits = None
     row.stats.preempted += 1
     return row

@@ -100,7 +100,7 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
     stream = field(body, "stream", bool, default=False)
     params = sampling_params(body, state.vocab_size, anthropic=True, defaults=state.sampling_defaults)
     gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools), stop=stop,
-                         anthropic=True)
+                         anthropic=True, shared_prefix=prompt.shared)
     if not prompt.opening:  # a forced tool call has no reasoning to bound
         add_budget(gen.req, state.tok, _thinking(body)[1], prompt.in_think)
     fmt, where = _output_format(body)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import APIError
 from .reasoning import THINK_END, OutputSplitter, starts_in_thinking
+from .shared_prefix import shared_prefix
 from .tool_parsers import TOOL_CALL_START
 
 Message = Dict[str, Any]
@@ -261,6 +262,7 @@ class Prompt:
     in_think: bool  # generation starts inside <think>
     opening: str = ""  # a forced tool-call opening at the end of the prompt, as if the model had written it
     continues: bool = False  # the prompt ends inside a prefilled answer (render's continue_final)
+    shared: int = 0  # leading tokens other conversations share (shared_prefix.py)
 
     def splitter(self, tools: Optional[List[dict]]) -> OutputSplitter:
         return OutputSplitter(in_thinking=self.in_think, parse_tools=bool(tools), tools=tools, emitted=self.opening)
@@ -274,8 +276,9 @@ def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = Non
     where the template would open one (a forced call is the whole turn). `continue_final`:
     see `render`."""
     ids, text, in_think = render(tok, messages, tools, enable_thinking, template_kwargs, continue_final, param)
+    shared = shared_prefix(tok, place_system(tok, messages), tools, dict(template_kwargs or {}), ids)
     if not tools or tool_choice in (None, "auto", "none"):
-        return Prompt(ids, text, in_think, continues=continue_final)
+        return Prompt(ids, text, in_think, continues=continue_final, shared=shared)
     if continue_final:
         raise APIError(400, "a forced tool call starts a new turn: it cannot continue a prefilled "
                             "assistant message", param="tool_choice")
@@ -285,7 +288,8 @@ def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = Non
             text += "\n" + THINK_END + "\n\n"
     opening = tool_call_opening(tok, None if tool_choice == "required" else tool_choice)
     text += opening
-    return Prompt(tok.encode(text, add_special_tokens=False), text, False, opening)
+    ids = tok.encode(text, add_special_tokens=False)
+    return Prompt(ids, text, False, opening, shared=min(shared, len(ids)))
 
 
 def encode_prompt(tok, prompt: Any) -> List[int]:

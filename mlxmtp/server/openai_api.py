@@ -234,7 +234,8 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
     if max_tokens is None:
         max_tokens = field(body, "max_tokens", int, minimum=1)
     gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools),
-                         stop=string_list(body, "stop"), logprobs=(top_n or 0) if want_lp else None)
+                         stop=string_list(body, "stop"), logprobs=(top_n or 0) if want_lp else None,
+                         shared_prefix=prompt.shared)
     hold_to_format(gen.req, state.tok, body.get("response_format"), "response_format", prompt)
     if tools and field(body, "parallel_tool_calls", bool) is False:
         gen.one_tool_call()

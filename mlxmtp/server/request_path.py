@@ -54,13 +54,13 @@ def check_model(state, body: dict, *, anthropic: bool = False) -> str:
 def new_generation(state, body: dict, prompt: List[int], requested: Optional[int], params: SamplingParams,
                    splitter: Optional[OutputSplitter], *, stop: Optional[list] = None,
                    logprobs: Optional[int] = None, anthropic: bool = False,
-                   param: str = "messages") -> Generation:
+                   param: str = "messages", shared_prefix: int = 0) -> Generation:
     """The engine Request for a rendered prompt: `requested` output tokens capped at the
     room left in the context (a prompt that leaves none is a 400 in the API's wording,
-    naming `param`), and its Generation (not yet submitted)."""
+    naming `param`), and its Generation (not yet submitted). `shared_prefix`: see Request."""
     max_tokens = output_budget(state, len(prompt), requested, anthropic=anthropic, param=param)
     req = Request(prompt=prompt, max_tokens=max_tokens, params=params, stop=stop or [], logprobs=logprobs,
-                  num_draft=num_draft(body))
+                  num_draft=num_draft(body), shared_prefix=shared_prefix)
     return Generation(state, req, splitter=splitter, body=body)
 
 

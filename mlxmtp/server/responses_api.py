@@ -262,7 +262,8 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, ResponsesReply]:
     params = sampling_params(body, state.vocab_size, defaults=state.sampling_defaults)
     prompt = build_prompt(state.tok, messages, chat_tools, thinking, state.template_kwargs(), tool_choice=choice,
                           param="input")
-    gen = new_generation(state, body, prompt.ids, max_out, params, prompt.splitter(chat_tools), param="input")
+    gen = new_generation(state, body, prompt.ids, max_out, params, prompt.splitter(chat_tools), param="input",
+                         shared_prefix=prompt.shared)
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
     hold_to_format(gen.req, state.tok, text.get("format"), "text.format", prompt)
     if chat_tools and body.get("parallel_tool_calls") is False:
