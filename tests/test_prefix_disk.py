@@ -83,14 +83,15 @@ def test_only_states_no_other_extends_and_branch_points_are_written(tmp_path):
     assert trie.next_tokens((1, 2, 3, 4)) == {5} and trie.next_tokens((1, 2, 3, 4, 5)) == set()
     assert trie.next_tokens((1, 5)) == set() and trie.next_tokens(()) == {1, 7}
 
-    def entry(tokens):
-        return type("E", (), {"tokens": tokens})()
+    def entry(tokens, boundary=False):
+        return type("E", (), {"tokens": tokens, "boundary": boundary})()
 
     pc = PrefixCache(1 << 20)
     pc.disk = DiskPrefixStore(tmp_path, 1 << 20, "fp", lambda: [[], None])
     pc.disk.trie.insert(entry((1, 2, 3, 4, 5, 6)))  # on disk already
     worth = {key: pc._worth_writing(entry(key)) for key in [(1, 2, 3), (1, 2, 3, 4, 5, 6, 7), (1, 2), (5,)]}
     assert worth == {(1, 2, 3): False, (1, 2, 3, 4, 5, 6, 7): True, (1, 2): False, (5,): True}
+    assert pc._worth_writing(entry((1, 2), boundary=True))  # a prefill checkpoint: always
     pc.trie.insert(entry((1, 2, 3, 8)))  # now (1, 2, 3) is a branch point
     assert pc._worth_writing(entry((1, 2, 3))) and not pc._worth_writing(entry((1, 2)))
 

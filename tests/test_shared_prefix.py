@@ -50,6 +50,7 @@ def test_the_second_conversation_starts_from_the_first_ones_shared_state(fixture
         assert out == reference_greedy(ref, prompt, 10)
         cached.append(last.stats.cached_prompt_tokens)
     assert cached == [0, len(system)]
+    assert eng.prefix_cache.entries[tuple(system)].boundary  # kept on disk when evicted
 
 
 def test_a_hint_shorter_than_a_chunk_stores_nothing(fixture_model):

@@ -100,7 +100,7 @@ class Prefiller:
             self._forward(row, prompt[row.done_prompt : row.done_prompt + n], logits_needed=False)
             row.done_prompt += n
             if row.done_prompt in row.checkpoints:
-                self._store(row, None)  # only ever a strict prefix of the prompts it serves
+                self._store(row, None, boundary=True)  # only ever a strict prefix of the prompts it serves
             return False
         if row.done_prompt < len(prompt):
             logits = self._forward(row, prompt[-1:], logits_needed=True)
@@ -109,10 +109,11 @@ class Prefiller:
             self._store(row, row.last_logits)
         return True
 
-    def _store(self, row: Row, last_logits) -> None:
-        """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache."""
+    def _store(self, row: Row, last_logits, boundary: bool = False) -> None:
+        """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache
+        (`boundary`: a checkpoint, where other prompts are known or expected to branch off)."""
         self.prefix_cache.store(row.prompt[: row.done_prompt], row.cache, row.head_cache,
-                                pending_array(row.pend), row.pend_t, last_logits)
+                                pending_array(row.pend), row.pend_t, last_logits, boundary)
 
     def _first_token(self, row: Row, events: List[Event]) -> bool:
         """Sample and emit the first token; True if that already finished the request. A

@@ -57,6 +57,7 @@ class PrefixEntry:
     pend_t: List[int]
     last_logits: mx.array  # [V] after the last token; size 0: stored without (a strict prefix only)
     nbytes: int
+    boundary: bool = False  # a prefill checkpoint: where other prompts branch off (see prefill)
 
 
 class PrefixCache:
@@ -129,15 +130,13 @@ class PrefixCache:
         return loaded
 
     def _worth_writing(self, entry: PrefixEntry) -> bool:
-        """Whether a state is worth a place on disk: one that no stored sequence extends,
-        or a branch point (the sequences extending it differ right after it). A state on
-        the way to a longer one is not: an earlier turn of a conversation stored since
-        (written, every turn of every agent would be), or a system prompt's state only one
-        conversation has gone on from so far (a session's own system prompt often holds
-        its date and repository status). What a prompt starting there and leaving that
-        conversation needs is the branch point before it."""
+        """Whether a state is worth a place on disk: a prefill checkpoint, one that no
+        stored sequence extends, or a branch point (the sequences extending it differ right
+        after it). A state on the way to a longer one (an earlier turn of a conversation
+        stored since) is not: written, every turn of every agent would be, and what a prompt
+        starting there and leaving that conversation needs is the checkpoint before it."""
         t = entry.tokens
-        return len(self.trie.next_tokens(t) | self.disk.trie.next_tokens(t)) != 1
+        return entry.boundary or len(self.trie.next_tokens(t) | self.disk.trie.next_tokens(t)) != 1
 
     def save_to_disk(self) -> None:
         """Write the entries held in memory to disk (at shutdown), least recently used
@@ -158,8 +157,9 @@ class PrefixCache:
         return shared if self.disk is None else max(shared, self.disk.shared_length(key))
 
     def store(self, tokens: List[int], cache: list, head_cache: Optional[list], pend_h, pend_t,
-              last_logits: Optional[mx.array]) -> None:
-        """Keep the state after `tokens`; `last_logits` None: stored without (a strict prefix only)."""
+              last_logits: Optional[mx.array], boundary: bool = False) -> None:
+        """Keep the state after `tokens`; `last_logits` None: stored without (a strict prefix
+        only); `boundary`: see PrefixEntry."""
         if self.max_bytes <= 0 or not tokens:
             return
         if last_logits is None:
@@ -169,6 +169,7 @@ class PrefixCache:
         key = tuple(tokens)
         if key in self.entries:
             self.entries.move_to_end(key)
+            self.entries[key].boundary |= boundary
             return
         nbytes = adapter.cache_nbytes(cache) + (adapter.cache_nbytes(head_cache) if head_cache else 0)
         nbytes += (pend_h.nbytes if pend_h is not None else 0) + last_logits.nbytes
@@ -178,6 +179,7 @@ class PrefixCache:
             return
         try:
             entry = _owned_entry(key, cache, head_cache, pend_h, pend_t, last_logits, nbytes)
+            entry.boundary = boundary
         except Exception:  # noqa: BLE001 - e.g. no memory for the copy: the cache only saves work
             if self.agree is not None:
                 raise  # ranks that skipped different entries would prefill differently

@@ -37,7 +37,7 @@ def flatten(entry: PrefixEntry) -> Tuple[Dict[str, mx.array], dict]:
     if entry.last_logits.size > 0:
         arrays["last_logits"] = entry.last_logits
     meta = {"format": FORMAT, "tokens": list(entry.tokens), "pend_t": list(entry.pend_t), "layers": layouts,
-            "nbytes": entry.nbytes, "has_logits": entry.last_logits.size > 0}
+            "nbytes": entry.nbytes, "has_logits": entry.last_logits.size > 0, "boundary": entry.boundary}
     return arrays, meta
 
 
@@ -70,7 +70,7 @@ def rebuild(tokens: Tokens, arrays: Dict[str, mx.array], meta: dict, like: List[
     logits = arrays["last_logits"] if meta["has_logits"] else mx.zeros((0,))
     pend_h = arrays.get("pend_h")
     mx.eval(*arrays.values())
-    return PrefixEntry(tokens, cache, head, pend_h, list(meta["pend_t"]), logits, nbytes)
+    return PrefixEntry(tokens, cache, head, pend_h, list(meta["pend_t"]), logits, nbytes, bool(meta.get("boundary")))
 
 
 def _layers(layout: list, prefix: str, arrays: Dict[str, mx.array], like: list) -> list:
