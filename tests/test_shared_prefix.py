@@ -86,3 +86,33 @@ def test_a_server_reads_the_system_prompt_of_the_second_conversation_from_the_ca
     with_cache, without = answers[cached_server.url], answers[plain_server.url]
     assert [a for a, _ in with_cache] == [a for a, _ in without]
     assert with_cache[0][1] == 0 and with_cache[1][1] > 300 and [c for _, c in without] == [0, 0]
+
+
+def test_a_system_prompts_state_is_written_and_restored_after_a_restart(fixture_model, tmp_path):
+    """One conversation on a system prompt, then a restart: its checkpoint where the system
+    prompt ends goes to disk with the conversation's end (though no other conversation
+    went on from it yet), and the next session starts from it."""
+    from mlxmtp.engine import prefix_disk
+
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+
+    def engine():
+        eng = BatchGenerator(model, tok, prefix_cache_bytes=256 << 20, prefill_step=64)
+        prefix_disk.attach(eng, tmp_path, 64 << 20)
+        return eng
+
+    system = prompt_of(200, seed=16)
+    first = engine()
+    first.submit(Request(prompt=system + prompt_of(9, seed=17), max_tokens=6, shared_prefix=len(system)))
+    while first.has_work:
+        first.step()
+    first.prefix_cache.save_to_disk()
+    assert tuple(system) in first.prefix_cache.disk.entries
+    again = engine()
+    prompt = system + prompt_of(7, seed=18)
+    again.submit(Request(prompt=prompt, max_tokens=6, shared_prefix=len(system)))
+    out, last = [], None
+    while again.has_work:
+        for ev in again.step():
+            out, last = out + ev.token_ids, ev
+    assert out == reference_greedy(ref, prompt, 6) and last.stats.cached_prompt_tokens == len(system)

@@ -130,7 +130,9 @@ class PrefixCache:
         return loaded
 
     def _worth_writing(self, entry: PrefixEntry) -> bool:
-        """Whether a state is worth a place on disk: a prefill checkpoint, one that no
+        """Whether a state is worth a place on disk: a prefill checkpoint (where a system
+        prompt and tools end: the next session of an agent whose system prompt does not
+        change, as Claude Code's does not, starts there, also after a restart), one that no
         stored sequence extends, or a branch point (the sequences extending it differ right
         after it). A state on the way to a longer one (an earlier turn of a conversation
         stored since) is not: written, every turn of every agent would be, and what a prompt
