@@ -363,3 +363,36 @@ def test_writes_stop_short_of_filling_the_disk(fixture_model, tmp_path, monkeypa
     run(eng, [prompt_of(200, seed=80 + i) for i in range(3)], max_tokens=4)
     assert caplog.text.count("has no room left") == 1 and disk.warned_full
     assert set(disk.entries) == held
+
+
+def test_a_stopping_server_waits_for_a_long_step_and_then_the_write(monkeypatch):
+    """EngineBridge.stop: the engine thread writes the prefix cache once its step ends, so
+    stop waits past its usual bound when the cache has a disk store (and only then)."""
+    import threading
+    import time
+
+    from mlxmtp.server import engine_thread
+
+    class SlowEngine:
+        has_work = True
+        cycles = 0
+
+        def __init__(self, disk):
+            self.saved = threading.Event()
+            self.prefix_cache = type("PC", (), {"disk": disk, "save_to_disk": lambda _: self.saved.set()})()
+
+        def calibrate(self, _):
+            pass
+
+        def step(self):
+            time.sleep(0.5)  # a long prefill chunk, say
+            return []
+
+    monkeypatch.setattr(engine_thread, "STOP_WAIT", 0.05)
+    for disk, waited in ((object(), True), (None, False)):
+        eng = SlowEngine(disk)
+        bridge = engine_thread.EngineBridge(lambda eng=eng: eng)
+        bridge.start()
+        time.sleep(0.1)
+        bridge.stop()
+        assert eng.saved.is_set() == waited

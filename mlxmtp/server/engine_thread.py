@@ -30,7 +30,8 @@ from ..engine.batch import BatchGenerator
 from ..engine.request import Event, Request
 
 log = logging.getLogger("mlxmtp.server")
-# Seconds a stopping server waits for the prefix cache to be written to disk (a few GB of a
+STOP_WAIT = 5.0  # seconds a stopping server waits for the engine thread's step to end
+# Seconds it waits beyond that for the prefix cache to be written to disk (a few GB of a
 # large model's states take seconds; an unfinished file is never used: see prefix_disk.py).
 SAVE_TIMEOUT = 300.0
 
@@ -49,7 +50,6 @@ class EngineBridge:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.restarts = 0
-        self.saving = False  # the engine thread is writing the prefix cache to disk
 
     # ------------------------------------------------------------------ any thread
     def start(self, timeout: float = 120.0) -> None:
@@ -66,8 +66,10 @@ class EngineBridge:
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-            if self.saving:  # its files are renamed into place only once complete
+            self._thread.join(timeout=STOP_WAIT)
+            # An engine with a prefix cache on disk writes it once its step ends: wait for that
+            # too (an unfinished file is never used, but its state would be lost).
+            if self._thread.is_alive() and getattr(getattr(self.engine, "prefix_cache", None), "disk", None):
                 log.info("writing the prefix cache to disk before exiting")
                 self._thread.join(timeout=SAVE_TIMEOUT)
             self._thread = None
@@ -161,13 +163,10 @@ class EngineBridge:
         pc = getattr(self.engine, "prefix_cache", None)
         if pc is None or pc.disk is None:
             return
-        self.saving = True
         try:
             pc.save_to_disk()
         except Exception:  # noqa: BLE001 - stopping must not fail for it
             log.exception("could not write the prefix cache to disk")
-        finally:
-            self.saving = False
 
     def _loop(self) -> None:
         while not self._stop:
