@@ -97,10 +97,7 @@ class PrefixCache:
     def lookup(self, prompt: Sequence[int]) -> Optional[PrefixEntry]:
         """The longest stored sequence that is a prefix of `prompt` (it may equal it)."""
         key = tuple(prompt)
-        best = None
-        for entry in self.trie.prefixes(key):
-            if len(entry.tokens) < len(key) or entry.last_logits.size > 0:  # equal length needs the logits
-                best = entry
+        best = self.trie.longest_usable(key, lambda e: e.last_logits.size > 0)
         if self.disk is not None:
             best = self._from_disk(key, best)
         if best is None:
@@ -123,10 +120,7 @@ class PrefixCache:
         if loaded.nbytes <= self.limit():
             held = self.entries.pop(loaded.tokens, None)  # the same tokens stored without logits
             self.bytes -= held.nbytes if held is not None else 0
-            self.entries[loaded.tokens] = loaded
-            self.trie.insert(loaded)
-            self.bytes += loaded.nbytes
-            self.shrink_to(self.limit())
+            self._keep(loaded)
         return loaded
 
     def _worth_writing(self, entry: PrefixEntry) -> bool:
@@ -187,9 +181,13 @@ class PrefixCache:
                 raise  # ranks that skipped different entries would prefill differently
             log.exception("could not store a prefix cache entry of %d tokens; going on without it", len(key))
             return
-        self.entries[key] = entry
+        self._keep(entry)
+
+    def _keep(self, entry: PrefixEntry) -> None:
+        """Hold `entry` (most recently used), then evict what the limit no longer leaves room for."""
+        self.entries[entry.tokens] = entry
         self.trie.insert(entry)
-        self.bytes += nbytes
+        self.bytes += entry.nbytes
         self.shrink_to(self.limit())
 
 

@@ -142,11 +142,7 @@ class DiskPrefixStore:
     def lookup(self, tokens: Tokens) -> Optional[DiskEntry]:
         """The longest stored sequence usable for a prompt of `tokens` (a strict prefix, or
         all of it where the logits after it were stored)."""
-        best = None
-        for entry in self.trie.prefixes(tokens):
-            if len(entry.tokens) < len(tokens) or entry.has_logits:
-                best = entry
-        return best
+        return self.trie.longest_usable(tokens, lambda e: e.has_logits)
 
     def shared_length(self, tokens: Tokens) -> int:
         return self.trie.shared_length(tokens)

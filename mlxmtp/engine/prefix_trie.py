@@ -7,7 +7,7 @@ long the prompts are. An entry is any object with a `tokens` tuple.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 Tokens = Tuple[int, ...]
 
@@ -46,35 +46,43 @@ class PrefixTrie:
                 return found
             node, depth = child, end
 
+    def longest_usable(self, tokens: Tokens, whole: Callable[[object], bool]) -> Optional[object]:
+        """The longest entry whose sequence is a strict prefix of `tokens`, or equals it where
+        `whole(entry)` (a state kept with the logits after its last token can serve the very
+        same prompt; one kept without, only longer ones)."""
+        best = None
+        for entry in self.prefixes(tokens):
+            if len(entry.tokens) < len(tokens) or whole(entry):
+                best = entry
+        return best
+
     def shared_length(self, tokens: Tokens) -> int:
         """How many leading tokens of `tokens` some stored sequence starts with too."""
-        node, depth = self.root, 0
-        while depth < len(tokens):
-            edge = node.edges.get(tokens[depth])
-            if edge is None:
-                return depth
-            label, child = edge
-            common = _common_length(label, tokens, depth)
-            if common < len(label):
-                return depth + common
-            node, depth = child, depth + common
-        return depth
+        _, depth, _, common = self._descend(tokens)
+        return depth + common
 
     def next_tokens(self, tokens: Tokens) -> set:
         """The tokens that follow `tokens` in the stored sequences that extend it."""
+        node, depth, label, common = self._descend(tokens)
+        if depth + common < len(tokens):
+            return set()  # no stored sequence extends all of `tokens`
+        return {label[common]} if label is not None else set(node.edges)
+
+    def _descend(self, tokens: Tokens) -> Tuple["_Node", int, Optional[Tokens], int]:
+        """Follow `tokens` down as far as stored sequences share them -> (the last node
+        reached whole, its depth, and the edge the walk stopped part way along with how many
+        of its tokens matched; None and 0 where it stopped at the node)."""
         node, depth = self.root, 0
         while depth < len(tokens):
             edge = node.edges.get(tokens[depth])
             if edge is None:
-                return set()
+                return node, depth, None, 0
             label, child = edge
             common = _common_length(label, tokens, depth)
-            if depth + common == len(tokens) and common < len(label):
-                return {label[common]}  # `tokens` ends part way along this edge
             if common < len(label):
-                return set()
+                return node, depth, label, common
             node, depth = child, depth + common
-        return set(node.edges)
+        return node, depth, None, 0
 
     def insert(self, entry: object) -> None:
         key = entry.tokens

@@ -69,7 +69,7 @@ class EngineBridge:
             self._thread.join(timeout=STOP_WAIT)
             # An engine with a prefix cache on disk writes it once its step ends: wait for that
             # too (an unfinished file is never used, but its state would be lost).
-            if self._thread.is_alive() and getattr(getattr(self.engine, "prefix_cache", None), "disk", None):
+            if self._thread.is_alive() and self._prefix_disk() is not None:
                 log.info("writing the prefix cache to disk before exiting")
                 self._thread.join(timeout=SAVE_TIMEOUT)
             self._thread = None
@@ -157,14 +157,17 @@ class EngineBridge:
             if close is not None:
                 close()
 
+    def _prefix_disk(self):
+        """The engine's prefix cache's disk store (engine/prefix_disk.py), or None."""
+        return getattr(getattr(self.engine, "prefix_cache", None), "disk", None)
+
     def _save_prefix_cache(self) -> None:
         """Write what the prefix cache holds to its disk store, if it has one (a restarted
         server then starts from those states)."""
-        pc = getattr(self.engine, "prefix_cache", None)
-        if pc is None or pc.disk is None:
+        if self._prefix_disk() is None:
             return
         try:
-            pc.save_to_disk()
+            self.engine.prefix_cache.save_to_disk()
         except Exception:  # noqa: BLE001 - stopping must not fail for it
             log.exception("could not write the prefix cache to disk")
 
