@@ -126,7 +126,9 @@ def test_seeded_tokens_are_samples_of_the_model_s_distribution(fixture_model):
     n = 800
 
     def sample(reproducible, **options):
-        reqs = [Request(prompt=PROMPT, max_tokens=3,
+        # No stop tokens: an end token sampled (p ~ 2e-5 a draw here) is one more token of the
+        # distributions compared, not a request that ends before its third position.
+        reqs = [Request(prompt=PROMPT, max_tokens=3, stop_token_ids=[],
                         params=SamplingParams(temperature=0.5, seed=s if reproducible else None,
                                               reproducible=reproducible))
                 for s in range(n)]
