@@ -7,6 +7,7 @@ chosen among those the grammar allows), which is what is checked, not its conten
 
 import json
 import math
+import threading
 
 import mlx.core as mx
 import pytest
@@ -169,6 +170,71 @@ def test_a_schema_it_cannot_enforce_and_a_forced_call_are_400s(server):
     r = httpx.post(server.url + "/v1/responses", timeout=30, json={
         "model": "m", "input": "x", "text": {"format": {"type": "yaml"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"
+
+
+def _ref_chain(hops: int) -> dict:
+    """A flat chain of `hops` $refs (3000 of them overflowed llguidance's compile stack)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(hops - 1)}
+    defs[f"d{hops - 1}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def test_a_schema_past_the_bounds_is_a_400_and_harms_no_other_request(server, oai):
+    import httpx
+
+    chat = dict(model="m", max_tokens=48, temperature=0, messages=[{"role": "user", "content": "Go on."}])
+    alone = oai.chat.completions.create(**chat).choices[0].message.content
+    streamed = []
+    worker = threading.Thread(target=lambda: streamed.extend(
+        c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **chat) if c.choices))
+    worker.start()
+    deep, fmt = _ref_chain(3000), {"type": "json_schema"}
+    user = [{"role": "user", "content": "x"}]
+    for path, body, field in [
+        ("/v1/chat/completions", {"messages": user, "response_format": {
+            **fmt, "json_schema": {"name": "d", "schema": deep}}}, "response_format"),
+        ("/v1/responses", {"input": "x", "text": {"format": {**fmt, "name": "d", "schema": deep}}}, "text.format"),
+        ("/v1/messages", {"messages": user, "output_config": {"format": {**fmt, "schema": deep}}},
+         "output_config.format"),
+    ]:
+        r = httpx.post(server.url + path, timeout=60, json={"model": "m", "max_tokens": 4, **body})
+        assert r.status_code == 400 and field in r.text and "nested 3001 levels" in r.text and "256" in r.text, r.text
+    for schema, message in [(_ref_chain(200), None),  # within the bounds: held as any schema
+                            ({"enum": list(range(20000))}, "20000 enum values (at most 10000)"),
+                            ({"anyOf": [{"type": "null"}] * 10001}, "more than 10000 subschemas"),
+                            ({"type": "string", "pattern": "x" * 5000}, "a pattern of 5000 characters"),
+                            # compiles, then llguidance's lexer gives up at the string's first quote
+                            ({"type": "string", "pattern": "^(x{1000}){1000}$"}, "too many expressions"),
+                            ({"type": "object", "patternProperties": {"^(a{1000}){1000}$": {}}},
+                             "too many expressions")]:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**chat, "max_tokens": 4, "response_format": {
+            **fmt, "json_schema": {"name": "s", "schema": schema}}})
+        if message is None:
+            assert r.status_code == 200, r.text
+        else:
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (message, r.text)
+            assert r.json()["error"]["param"] == "response_format", r.text
+    worker.join(timeout=120)
+    assert "".join(streamed) == alone
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_an_answer_the_grammar_stops_holding_fails_rather_than_going_on_free(fixture_model):
+    # A grammar whose lexer gives up after its first token (the pattern llguidance compiles,
+    # then cannot build; compile_schema refuses it up front, so it is built here directly).
+    import llguidance
+
+    from mlxmtp.server.structured_output import GrammarError
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    serve_tokenizer(tok, 320)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": "^(x{1000}){1000}$"})
+    proc = grammar_processor(grammar, 0)
+    quote = tok.encode('"', add_special_tokens=False)
+    first = proc(mx.array([], dtype=mx.int32), mx.zeros((1, 320)))
+    assert mx.isinf(first).sum().item() == 319  # only the quote opens the string
+    with pytest.raises(GrammarError, match="too many expressions"):
+        proc(mx.array(quote), mx.zeros((1, 320)))
 
 
 def _reasoning_first(tok, text):

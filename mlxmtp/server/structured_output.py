@@ -23,6 +23,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
+from . import schema_limits
 from .errors import APIError
 
 # The model served in this process (one per process): its tokenizer and vocabulary, for
@@ -93,11 +94,6 @@ _OPTIONS = {"whitespace_pattern": r"[ \t\n\r]{0,64}", "lenient": True}
 
 
 _UNIMPLEMENTED = "Unimplemented keys: "  # llguidance's warning, then a JSON list of the keywords
-# Where a JSON schema holds schemas: one, a list of them, a map of names to them.
-_ONE = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else", "contains",
-        "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def without_no_ops(schema):
@@ -111,25 +107,33 @@ def without_no_ops(schema):
     for key, value in schema.items():
         if (key, value) == ("uniqueItems", False) or (key == "propertyNames" and value in ({}, True, {"type": "string"})):
             continue
-        if key in _LISTS and isinstance(value, list):
+        if key in schema_limits.LISTS and isinstance(value, list):
             value = [without_no_ops(v) for v in value]
-        elif key in _MAPS and isinstance(value, dict):
+        elif key in schema_limits.MAPS and isinstance(value, dict):
             value = {name: without_no_ops(v) for name, v in value.items()}
-        elif key in _ONE:
+        elif key in schema_limits.ONE:
             value = without_no_ops(value)
         out[key] = value
     return out
 
 
 def grammar_for(schema: dict, where: str) -> str:
-    """The llguidance grammar of a JSON schema. A 400: a schema llguidance cannot compile,
-    one with keywords it knows but cannot enforce (`not`, `if`, `uniqueItems`...: left out,
-    the answer could break them), and one no JSON value satisfies (a `$ref` to itself)."""
+    """The llguidance grammar of a JSON schema (see `compile_schema`)."""
+    return compile_schema(schema, where)[0]
+
+
+def compile_schema(schema: dict, where: str):
+    """(the llguidance grammar of a JSON schema, a matcher compiled from it). A 400 naming
+    `where`: a schema past schema_limits' bounds, one llguidance cannot compile, one with
+    keywords it knows but cannot enforce (`not`, `if`, `uniqueItems`...: left out, the
+    answer could break them), a pattern its lexer gives up on, and one no JSON value
+    satisfies (a `$ref` to itself). Compiled on a large stack (schema_limits)."""
     import llguidance  # on use, as above
 
+    regexes = schema_limits.check_bounds(schema, where)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(without_no_ops(schema), defaults=_OPTIONS)
-        matcher = llguidance.LLMatcher(_ll_tokenizer(), grammar)  # compiles it: errors and warnings
+        matcher = _matcher(grammar)
         error, warnings = (matcher.get_error() if matcher.is_error() else ""), matcher.get_grammar_warnings()
     except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising
         error, warnings = str(e) or type(e).__name__, []
@@ -137,11 +141,36 @@ def grammar_for(schema: dict, where: str) -> str:
                          for key in json.loads(w[len(_UNIMPLEMENTED):])})
     if not error and unenforced:
         error = "JSON Schema keywords this server cannot enforce: " + ", ".join(unenforced)
+    if not error:
+        error = next(filter(None, map(_pattern_error, regexes)), "")
     if not error and not _anything_allowed(matcher):
         error = "no JSON value satisfies this schema"
     if error:
         raise APIError(400, f"'{where}' cannot be enforced: {error}", param=where)
-    return grammar
+    return grammar, matcher
+
+
+def _matcher(grammar: str):
+    """A matcher of `grammar` for the served tokenizer, compiled on a large stack."""
+    import llguidance  # on use, as above
+
+    tokenizer = _ll_tokenizer()
+    return schema_limits.on_large_stack(lambda: llguidance.LLMatcher(tokenizer, grammar))
+
+
+def _pattern_error(regex: str) -> str:
+    """Why llguidance's lexer cannot hold JSON strings to `regex` ("" if it can). Its lexer
+    builds a pattern's states when a string opens, not when the schema compiles: a pattern
+    such as ^(x{1000}){1000}$ compiles, then fails at the first quote and would leave the
+    rest of the answer free. So each pattern is tried once, up to its opening quote."""
+    import llguidance  # on use, as above
+
+    matcher = _matcher(llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": regex}))
+    quote = _MODEL["tok"].encode('"', add_special_tokens=False)
+    _allowed(matcher, _MODEL["vocab_size"])  # where the lexer starts its work
+    matcher.try_consume_tokens(quote)
+    _allowed(matcher, _MODEL["vocab_size"])
+    return f"pattern {regex[:80]!r}: {matcher.get_error().splitlines()[0]}" if matcher.is_error() else ""
 
 
 def _allowed(matcher, n: int) -> np.ndarray:
@@ -167,16 +196,25 @@ def hold_to_format(req, tok, fmt, where: str, prompt) -> None:
         raise APIError(400, f"'{where}': a turn forced to call a tool (tool_choice) cannot also be held to "
                             "a format", param=where)
     opens_after = tok.encode("</think>", add_special_tokens=False) if prompt.in_think else None
-    req.params.logits_processors.append(grammar_processor(grammar_for(schema, where), len(req.prompt), opens_after))
+    grammar, matcher = compile_schema(schema, where)
+    req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), opens_after))
 
 
 def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[int]] = None) -> "GrammarProcessor":
-    import llguidance  # on use, as above
+    """The processor of a grammar `compile_schema` made (how another rank rebuilds it)."""
+    return _processor(grammar, _matcher(grammar), prompt_len, opens_after)
 
-    proc = GrammarProcessor(llguidance.LLMatcher(_ll_tokenizer(), grammar), prompt_len, opens_after)
+
+def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]]) -> "GrammarProcessor":
+    proc = GrammarProcessor(matcher, prompt_len, opens_after)
     # How another rank of a distributed server rebuilds it (distributed/wire.py).
     proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after])
     return proc
+
+
+class GrammarError(RuntimeError):
+    """The grammar engine stopped holding an answer part way (a limit of its own reached):
+    the request fails rather than going on with free text."""
 
 
 class GrammarProcessor:
@@ -194,9 +232,16 @@ class GrammarProcessor:
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         held = self._held(context[self.prompt_len :].tolist())  # not the prompt: it may be 100K tokens
-        if held is None or not self._reach(held):
+        if held is None:
             return logits
-        allowed = mx.array(_allowed(self.matcher, logits.shape[-1]))
+        reached = self._reach(held)
+        allowed = _allowed(self.matcher, logits.shape[-1]) if reached else None
+        if self.matcher.is_error():
+            raise GrammarError("the answer's format could no longer be enforced: "
+                               + self.matcher.get_error().splitlines()[0])
+        if not reached:
+            return logits
+        allowed = mx.array(allowed)
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _held(self, generated: List[int]) -> Optional[List[int]]:
