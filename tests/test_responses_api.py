@@ -295,6 +295,12 @@ BAD = [
     ({"model": MODEL, "input": "x", "store": "no"}, 400, "store"),
     ({"model": MODEL, "input": "x", "prompt_cache_key": 5}, 400, "prompt_cache_key"),
     ({"model": MODEL, "input": "x", "top_logprobs": "x"}, 400, "top_logprobs"),
+    ({"model": MODEL, "input": "x", "top_logprobs": 10**9}, 400, "top_logprobs"),  # chat's bound: 0..20
+    ({"model": MODEL, "input": "x", "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL, "input": "x", "top_logprobs": -1}, 400, "top_logprobs"),
+    ({"model": MODEL, "input": "x", "tools": [TOOLS[0], {"type": "made_up_tool"}]}, 400, "tools[1].type"),
+    ({"model": MODEL, "input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [
+        {"type": "web_search"}]}]}, 400, "tools[0].tools[0].type"),
     ({"model": MODEL, "input": "x", "truncation": "middle"}, 400, "truncation"),
     ({"model": MODEL, "input": "x " * 2000}, 400, "input"),
     # NaN / Infinity (JavaScript's, read by Python's json) anywhere: no reply could echo them.
@@ -315,6 +321,21 @@ def test_bad_requests_name_the_field(server, body, status, param):
     assert err["param"] == param, err
     if param == "previous_response_id":
         assert "no conversation state" in err["message"]
+
+
+def test_known_tool_types_and_top_logprobs_in_range_are_accepted(server):
+    # Hosted tools the Responses API defines are left out with a warning, not refused.
+    hosted = [{"type": t} for t in ("web_search", "web_search_2025_08_26", "file_search", "code_interpreter",
+                                    "mcp", "custom", "image_generation", "local_shell")]
+    hosted.append({"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "patch"}]})
+    r = httpx.post(server.url + "/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "x", "max_output_tokens": 1, "tools": hosted, "top_logprobs": 20})
+    assert r.status_code == 200, r.text
+    warning = r.headers["x-mlxmtp-warning"]
+    assert all(f"tools[{i}]" in warning for i in range(len(hosted) - 1)) and "tools[8].tools[0]" in warning
+    err = httpx.post(server.url + "/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "x", "tools": [{"type": "made_up_tool"}]}).json()["error"]
+    assert "made_up_tool" in err["message"] and "web_search" in err["message"]
 
 
 def test_sdk_raises_typed_errors(oai):

@@ -14,7 +14,6 @@ from typing import List, Optional, Tuple
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
-from ..engine.limits import MAX_TOP_LOGPROBS
 from ..mlxlm.token_text import token_bytes
 from .chat import (
     RENDERING_ARGUMENTS,
@@ -35,6 +34,7 @@ from .validation import (
     sampling_params,
     string_list,
     token_ids,
+    top_logprobs,
 )
 
 # A completion's max_tokens when the request sets none and the server no default: OpenAI's.
@@ -208,7 +208,7 @@ def _template_options(tok, body: dict) -> Tuple[Optional[bool], dict]:
 def _chat_logprob_fields(body: dict) -> Tuple[bool, Optional[int]]:
     """-> (logprobs wanted, top_logprobs)."""
     want_lp = field(body, "logprobs", bool, default=False)
-    top_n = field(body, "top_logprobs", int, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    top_n = top_logprobs(body)
     if top_n and not want_lp:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return want_lp, top_n

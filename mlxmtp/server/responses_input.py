@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 from .chat import effort_thinking, left_out, tool_arguments
 from .errors import APIError
-from .validation import field
+from .validation import field, top_logprobs
 
 if TYPE_CHECKING:  # the type only: responses_tools imports this module
     from .responses_tools import Tools
@@ -214,9 +214,10 @@ def check_accepted(body: dict) -> None:
     if body.get("prompt") is not None:
         raise bad("stored prompt templates ('prompt') are not supported; send 'instructions' and 'input'", "prompt")
     for name, kind in (("store", bool), ("metadata", dict), ("user", str), ("parallel_tool_calls", bool),
-                       ("text", dict), ("max_tool_calls", int), ("prompt_cache_key", str), ("top_logprobs", int),
+                       ("text", dict), ("max_tool_calls", int), ("prompt_cache_key", str),
                        ("service_tier", str), ("safety_identifier", str), ("stream_options", dict)):
         field(body, name, kind)
+    top_logprobs(body)
     truncation = field(body, "truncation", str)
     if truncation is not None and truncation not in ("auto", "disabled"):
         raise bad(f"'truncation' must be 'auto' or 'disabled', got {truncation!r}", "truncation")

@@ -5,6 +5,7 @@ chat template renders (responses_api.py has the overview).
 functions are flattened for the chat template, and `Tools` maps a called name back to its
 namespace. Hosted tools (web_search, file_search, code_interpreter, ...) and freeform
 `custom` tools cannot run here: they are left out with a warning for the response header.
+A type the Responses API does not define is a 400 naming `tools[i].type`, as OpenAI answers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from typing import Dict, List, Optional, Tuple
 
 from .chat import check_schema
 from .responses_input import _string, bad
+
+# The Responses API's tool types that do not run here: the openai SDK's `Tool` union,
+# less function and namespace.
+HOSTED_TOOLS = frozenset({
+    "apply_patch", "code_interpreter", "computer", "computer_use_preview", "custom", "file_search",
+    "image_generation", "local_shell", "mcp", "programmatic_tool_calling", "shell", "tool_search",
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+})
+TOOL_TYPES = HOSTED_TOOLS | {"function", "namespace"}
+_NAMESPACED_TYPES = frozenset({"function", "custom"})  # what a namespace may hold
 
 
 class Tools:
@@ -79,10 +90,18 @@ def _tool_entries(t, where: str, warnings: List[str]) -> List[tuple]:
         return [_function(t, where, None, None)]
     if kind == "namespace":
         return _namespace_entries(t, where, warnings)
-    if isinstance(kind, str):
-        warnings.append(f"ignored {where} of type {json.dumps(kind)[:40]}: hosted tools do not run here")
-        return []
-    raise bad(f"'{where}.type' must be a string such as 'function'", f"{where}.type")
+    if not isinstance(kind, str):
+        raise bad(f"'{where}.type' must be a string such as 'function'", f"{where}.type")
+    _check_known(kind, where, TOOL_TYPES)
+    warnings.append(f"ignored {where} of type {json.dumps(kind)[:40]}: hosted tools do not run here")
+    return []
+
+
+def _check_known(kind: str, where: str, known: frozenset) -> None:
+    """A tool type the API does not define is a client's mistake, not a tool to skip."""
+    if kind not in known:
+        raise bad(f"'{where}.type' {json.dumps(kind)[:40]} is not a tool type; expected one of "
+                  f"{', '.join(sorted(known))}", f"{where}.type")
 
 
 def _namespace_entries(t: dict, where: str, warnings: List[str]) -> List[tuple]:
@@ -99,6 +118,7 @@ def _namespace_entries(t: dict, where: str, warnings: List[str]) -> List[tuple]:
         if child["type"] == "function":
             entries.append(_function(child, cw, namespace, ns_desc))
         else:
+            _check_known(child["type"], cw, _NAMESPACED_TYPES)
             warnings.append(f"ignored {cw} of type {json.dumps(child['type'])[:40]}: only function tools run")
     return entries
 

@@ -18,7 +18,7 @@ import json
 import math
 from typing import Any, List, Optional
 
-from ..engine.limits import MAX_DRAFT_DEPTH
+from ..engine.limits import MAX_DRAFT_DEPTH, MAX_TOP_LOGPROBS
 from ..engine.sampling import SamplingParams
 from . import json_depth
 from .errors import APIError
@@ -173,6 +173,11 @@ def sampling_params(body: dict, vocab_size: int, *, anthropic: bool = False,
         repetition_penalty=rep, presence_penalty=pres or None, frequency_penalty=freq or None,
         logit_bias=bias, seed=seed, reproducible=seed is not None,  # same seed, same text (engine/seeded.py)
     )
+
+
+def top_logprobs(body: dict) -> Optional[int]:
+    """`top_logprobs` (chat completions and Responses): 0..MAX_TOP_LOGPROBS, OpenAI's range."""
+    return field(body, "top_logprobs", int, minimum=0, maximum=MAX_TOP_LOGPROBS)
 
 
 def num_draft(body: dict) -> Optional[int]:
