@@ -5,21 +5,20 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from test_add_mtp_weights import _copy, _snapshot
+from test_add_mtp_weights import DEAD_PID, _copy, _snapshot
 
 from mlxmtp.checkpoint import mtp_folder
 from mlxmtp.checkpoint.tensor_files import read_header
 from mlxmtp.convert import add_mtp_weights as amw
 from mlxmtp.convert.cli import add_mtp_weights as cli
 from mlxmtp.models import load as L
-
-# Above any PID a Linux or macOS kernel hands out: the run that named a folder so is over.
-DEAD_PID = 4194311
 
 
 def _run(*args):
@@ -247,6 +246,46 @@ def test_leftovers_removed_when_the_head_is_there(target, hf):
     assert not stale.exists() and running.exists()
 
 
+@pytest.fixture(scope="module")
+def exited_pid():
+    """The PID of a process that has exited (and been reaped): what a killed run leaves in its names."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_killed_force_leaves_old_head_removed_next_run(target, hf, exited_pid):
+    """A --force killed after its second rename leaves the previous head in .mtp-old-PID:
+    the next run removes it, and only it (names the server does not make are kept)."""
+    assert _run("--model", target, "--source", hf).exit_code == 0
+    stale = shutil.copytree(target / "mtp", target / f".mtp-old-{exited_pid}")
+    running = target / f".mtp-old-{os.getppid()}"  # a run still going on
+    theirs = [target / ".mtp-old-backup", target / f".mtp-old-{exited_pid}-mine", target / f".mtp-old-{DEAD_PID}x"]
+    for folder in [running, *theirs]:
+        shutil.copytree(target / "mtp", folder)
+    note = target / f".mtp-tmp-{exited_pid}-notes"  # a file: staging is always a folder
+    note.write_text("not ours")
+    res = _run("--model", target, "--source", hf, "--force", "--bits", "8")
+    assert res.exit_code == 0, res.output
+    assert not stale.exists() and stale.name in res.output
+    assert running.exists() and note.read_text() == "not ours" and all(f.exists() for f in theirs)
+    assert L.load(str(target))[0].head.fc.bits == 8
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_killed_between_renames_with_only_the_old_head(target, hf, exited_pid, force):
+    """Killed between the renames after its staging folder was lost: no mtp/, the previous
+    head in .mtp-old-PID only. The next run puts it back (and --force then replaces it)."""
+    assert _run("--model", target, "--source", hf).exit_code == 0
+    os.replace(target / "mtp", target / f".mtp-old-{exited_pid}")
+    with pytest.raises(L.MissingMTPHeadError, match=f".mtp-old-{exited_pid}"):
+        L.load(str(target))
+    res = _run("--model", target, "--source", hf, *(["--force", "--bits", "8"] if force else []))
+    assert res.exit_code == 0, res.output
+    assert "restored the previous head" in res.output and not list(target.glob(".mtp-*"))
+    assert L.load(str(target))[0].head.fc.bits == (8 if force else 4)
+
+
 def test_exception_between_renames_puts_the_old_head_back(target, hf, monkeypatch):
     assert _run("--model", target, "--source", hf).exit_code == 0
     real = os.replace
@@ -271,6 +310,20 @@ def test_written_folder_marks_itself_whole(tmp_path):
     assert mtp_folder.folder_problem(tmp_path / "mtp") is None
     assert sorted(p.name for p in (tmp_path / "mtp").iterdir()) == [mtp_folder.CONFIG, mtp_folder.WEIGHTS]
     assert json.loads((tmp_path / "mtp" / mtp_folder.CONFIG).read_text())["format"] == mtp_folder.FORMAT
+
+
+def test_replace_keeps_a_file_it_did_not_make(tmp_path):
+    """A file where --force would move the previous head aside is not deleted: the
+    replacement fails cleanly and the head stays."""
+    info = {"num_layers": 1, "expert_layout": "dense", "num_experts": 0, "moe": False}
+    cfg = mtp_folder.make_head_config(source="x", family="qwen3_5", info=info, quantization=None, dtype="float32")
+    mtp_folder.write_mtp_folder(tmp_path, cfg, {"fc.weight": mx.zeros((2, 4))})
+    theirs = tmp_path / f"{mtp_folder.OLD_PREFIX}{os.getpid()}"
+    theirs.write_text("not ours")
+    with pytest.raises(OSError):
+        mtp_folder.write_mtp_folder(tmp_path, cfg, {"fc.weight": mx.ones((2, 4))}, force=True)
+    assert theirs.read_text() == "not ours" and mtp_folder.folder_problem(tmp_path / "mtp") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mtp", theirs.name])
 
 
 # ------------------------------------------------------------------ --revision

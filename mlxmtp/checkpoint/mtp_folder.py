@@ -14,9 +14,9 @@ top-level `*.safetensors` file, and `mtp.*` keys there break its strict load
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,6 +35,9 @@ FORMAT_VERSION = 1
 # previous head while a replacement swaps them.
 TMP_PREFIX = ".mtp-tmp-"
 OLD_PREFIX = ".mtp-old-"
+# Their whole names, `.mtp-tmp-PID-` + mkdtemp's letters and `.mtp-old-PID`: what a later
+# run may remove once PID has ended. Any other name is not this module's and is never touched.
+_STAGING_NAME = re.compile(rf"{re.escape(TMP_PREFIX)}(\d+)-[a-z0-9_]+|{re.escape(OLD_PREFIX)}(\d+)")
 
 
 class MTPFolderError(ValueError):
@@ -184,23 +187,22 @@ def _swap(model_dir: Path, tmp: Path, final: Path) -> None:
 
 
 def _remove(path: Path) -> None:
+    """Remove a staging folder. A file or link by that name was not made here: it stays
+    (and the rename it blocks then fails cleanly)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
 
 
 def _staging_pid(path: Path) -> Optional[int]:
-    """The PID in a staging folder's name (`.mtp-tmp-PID-xyz`, `.mtp-old-PID`), if any."""
-    parts = path.name.split("-")
-    return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
+    """The PID in a staging folder's name (`.mtp-tmp-PID-xyz`, `.mtp-old-PID`); None for a
+    name this module does not give."""
+    m = _STAGING_NAME.fullmatch(path.name)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
-def _in_use(path: Path) -> bool:
-    """Whether the run that made staging folder `path` is still running (another process)."""
-    pid = _staging_pid(path)
-    if pid is None or pid == os.getpid():
+def _running(pid: int) -> bool:
+    """Whether `pid` is another process that is still running."""
+    if pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
@@ -211,11 +213,17 @@ def _in_use(path: Path) -> bool:
     return True
 
 
+def _stale(path: Path) -> bool:
+    """Whether `path` is a staging folder (a real folder of `_STAGING_NAME`) of a run that is over."""
+    pid = _staging_pid(path)
+    return pid is not None and path.is_dir() and not path.is_symlink() and not _running(pid)
+
+
 def leftovers(model_dir: Path) -> List[Path]:
-    """Staging folders of runs that are over (killed, or crashed past their cleanup)."""
+    """Staging folders of runs that are over (killed, or crashed past their cleanup); see `_stale`."""
     model_dir = Path(model_dir)
     found = sorted(model_dir.glob(f"{TMP_PREFIX}*")) + sorted(model_dir.glob(f"{OLD_PREFIX}*"))
-    return [p for p in found if not _in_use(p)]
+    return [p for p in found if _stale(p)]
 
 
 def interrupted_head(model_dir: Path) -> Optional[Path]:
