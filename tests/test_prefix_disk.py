@@ -1,20 +1,28 @@
 """The prefix cache's disk tier (engine/prefix_disk.py): entries evicted from memory, and
 those held when the engine stops, are written to a folder and loaded back for prompts that
 start with them, also by a new engine (a restarted server), giving the output a fresh
-prefill gives (mlx-lm's own). Files of another model, broken or half-written ones are never
-restored; the folder stays within its budget."""
+prefill gives (mlx-lm's own). Files of another model, broken, half-written or changed ones,
+and states of other shapes are never restored (a miss, counted); the folder stays within its
+budget, counting and deleting only what the server wrote, never following links, and noticing
+when it is deleted under a running server."""
 
+import dataclasses
 import functools
 import json
+import shutil
 
 import httpx
+import mlx.core as mx
 import pytest
 from engine_helpers import loaded, prompt_of, reference_greedy
 from server_helpers import load_bench_module
+from test_add_mtp_weights import DEAD_PID
 
 from mlxmtp.engine import prefix_disk
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.prefix_folders import MARKER
 from mlxmtp.engine.request import Request
+from mlxmtp.mlxlm import adapter
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 
@@ -141,11 +149,15 @@ def test_broken_and_half_written_files_are_not_restored(fixture_model, tmp_path)
     cut.write_bytes(cut.read_bytes()[:100])  # a disk that filled up, a copy that stopped
     data = garbled.read_bytes()  # the same size, garbage inside: found only when read
     garbled.write_bytes(data[:8] + b"{" * (len(data) - 8))
-    (folder / "tmp-1-abc.safetensors").write_bytes(b"partial")  # a write that never finished
-    (folder / "0123.safetensors").write_bytes(b"no index beside it")
+    temporary, lone = f"tmp-{DEAD_PID}-{'ab' * 16}.safetensors", f"{'01' * 16}.safetensors"
+    (folder / temporary).write_bytes(b"partial")  # a write that never finished
+    (folder / lone).write_bytes(b"no index beside it")
+    writing = f"tmp-1-{'cd' * 16}.safetensors"  # another server's write in progress (PID 1 runs)
+    (folder / writing).write_bytes(b"partial")
     again = engine(model, tok, tmp_path)
-    for gone in ("tmp-1-abc.safetensors", "0123.safetensors", cut.name, cut.stem + ".json"):
+    for gone in (temporary, lone, cut.name, cut.stem + ".json"):
         assert not (folder / gone).exists(), gone
+    assert (folder / writing).exists()
     assert tuple(garbled_tokens) in again.prefix_cache.disk.entries
     for tokens in (cut_tokens, garbled_tokens):
         follow = tokens + prompt_of(4, seed=9)
@@ -160,8 +172,7 @@ def test_the_folder_stays_within_its_budget(fixture_model, tmp_path):
     prompts = [prompt_of(180, seed=20 + i) for i in range(8)]
     run(eng, prompts, max_tokens=4)
     disk = eng.prefix_cache.disk
-    on_disk = sum(p.stat().st_size for p in disk.folder.iterdir())
-    assert disk.bytes == on_disk - sum(p.stat().st_size for p in disk.folder.glob("*.json"))
+    assert disk.bytes == sum(p.stat().st_size for p in disk.folder.glob("*.safetensors"))
     assert 0 < disk.bytes <= 600_000 and len(disk.entries) >= 3
     assert tuple(prompts[0]) not in disk.entries  # the oldest went first
     restarted = engine(model, tok, tmp_path, memory=400_000, disk=600_000)
@@ -181,13 +192,17 @@ def test_attach_refuses_what_it_cannot_serve(fixture_model, tmp_path):
 def test_a_restarted_server_answers_from_the_states_it_saved(fixture_model, tmp_path):
     """`mlxmtp serve --prefix-cache-dir`: three conversations on one system prompt (the
     second stores the state after it); SIGTERM writes it to disk, and the next server reads
-    the system prompt from there (usage counts it as cached) and answers as the first did."""
+    the system prompt from there (usage and /metrics count it) and answers as the first did.
+    A folder and a link of the user's in the same folder are left alone."""
     ServerProcess = load_bench_module().ServerProcess
     store = tmp_path / "prefix-store"
+    (store / "my_notes").mkdir(parents=True)
+    (store / "my_notes" / "todo.txt").write_text("mine")
+    (store / "link").symlink_to(fixture_model("qwen3_5")["hf"], target_is_directory=True)
     system = {"role": "system", "content": "you review code " * 40}
     bodies = [{"model": "m", "max_tokens": 8, "temperature": 0,
                "messages": [system, {"role": "user", "content": text}]} for text in ("hi", "hello there", "what now")]
-    answers = []
+    answers, metrics = [], []
     for sent in (bodies, bodies[2:]):
         srv = ServerProcess(str(fixture_model("qwen3_5")["hf"]), log_level="info",
                             extra=["--prefix-cache-dir", str(store), "--prefill-step-size", "64"])
@@ -197,8 +212,9 @@ def test_a_restarted_server_answers_from_the_states_it_saved(fixture_model, tmp_
                 r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
                 assert r.status_code == 200, r.text
             answers.append(r.json())
+            metrics.append(httpx.get(srv.url + "/metrics").text)
             assert srv.stop() == 0
-            assert "prefix cache on disk" in srv.output()
+            assert "prefix cache on disk" in srv.output() and "holds what the server did not write" in srv.output()
         finally:
             srv.close()
     first, second = answers
@@ -206,6 +222,9 @@ def test_a_restarted_server_answers_from_the_states_it_saved(fixture_model, tmp_
     cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     assert cached[0] == cached[1] > 100  # the system prompt's state, from memory, then from disk
     assert list(store.iterdir()) and not list(store.glob("*/tmp-*"))
+    assert 'mlxmtp_prefix_cache_lookups{result="disk"} 1.0' in metrics[1]
+    assert 'mlxmtp_prefix_cache_lookups{result="rejected"} 0.0' in metrics[1]
+    assert (store / "my_notes" / "todo.txt").read_text() == "mine" and (store / "link").is_symlink()
 
 
 def test_serve_refuses_a_folder_it_cannot_use(tmp_path):
@@ -262,6 +281,7 @@ def test_an_engine_rebuilt_after_a_failure_keeps_the_states_of_the_one_before(st
     assert bridge.engine.prefix_cache.disk.loads == 1
     metrics = httpx.get(srv.url + "/metrics").text
     assert 'mlxmtp_prefix_cache_lookups{result="disk"} 1.0' in metrics
+    assert 'mlxmtp_prefix_cache_lookups{result="rejected"} 0.0' in metrics
     entries = [ln for ln in metrics.splitlines() if ln.startswith("mlxmtp_prefix_cache_disk_entries ")]
     assert entries and float(entries[0].split()[1]) >= 2  # the branch point and a request's end
 
@@ -288,8 +308,9 @@ def test_other_models_folders_leave_when_the_whole_folder_is_over_budget(fixture
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     old = tmp_path / "0123456789abcdef0123"  # another model's (or older versions') entries
     old.mkdir()
-    (old / "a.safetensors").write_bytes(b"x" * 300_000)
-    (old / "a.json").write_text("{}")
+    (old / MARKER).write_text("")
+    (old / f"{'a' * 32}.safetensors").write_bytes(b"x" * 300_000)
+    (old / f"{'a' * 32}.json").write_text("{}")
     eng = engine(model, tok, tmp_path, disk=1_000_000)
     assert old.exists()  # within the budget together: kept
     run(eng, [prompt_of(150, seed=40)])
@@ -335,7 +356,7 @@ def test_a_full_disk_costs_only_the_saving(fixture_model, tmp_path, monkeypatch,
     prompts = [prompt_of(200, seed=50 + i) for i in range(4)]
     outs, _ = run(eng, prompts)
     assert [o for o in outs] == [reference_greedy(ref, p, 12) for p in prompts]
-    assert not eng.prefix_cache.disk.entries and not list(eng.prefix_cache.disk.folder.iterdir())
+    assert not eng.prefix_cache.disk.entries and [p.name for p in eng.prefix_cache.disk.folder.iterdir()] == [MARKER]
     assert "No space left on device" in caplog.text
 
 
@@ -396,3 +417,162 @@ def test_a_stopping_server_waits_for_a_long_step_and_then_the_write(monkeypatch)
         time.sleep(0.1)
         bridge.stop()
         assert eng.saved.is_set() == waited
+
+
+def test_only_what_the_server_wrote_is_ever_deleted(fixture_model, tmp_path, caplog):
+    """Within a budget too small for any entry, and after a restart, the files and folders
+    the server did not write (by their names, or outside the subfolders it marked) are left
+    alone, and logged once per store."""
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = engine(model, tok, tmp_path)
+    run(eng, [prompt_of(150, seed=90), prompt_of(140, seed=91)], max_tokens=4)
+    eng.prefix_cache.save_to_disk()
+    own = eng.prefix_cache.disk.folder
+    theirs = {tmp_path / "my_notes" / "todo.txt": "notes", tmp_path / "readme.txt": "mine",
+              # Named like another model's folder and entry, but not marked as the server's.
+              tmp_path / "0123456789abcdef0123" / f"{'ab' * 16}.safetensors": "x" * 5000,
+              own / "notes.txt": "mine too", own / "sub" / f"{'cd' * 16}.json": "{}",
+              own / "tmp-1-abc.safetensors": "not a temporary of the server's", own / f"{'ef' * 16}.bin": "?"}
+    for path, text in theirs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    caplog.set_level("INFO", logger="mlxmtp")
+    for _ in range(2):  # and a restart
+        caplog.clear()
+        tiny = engine(model, tok, tmp_path, disk=1000)
+        assert not tiny.prefix_cache.disk.entries and tiny.prefix_cache.disk.bytes == 0
+        assert not list(own.glob("?" * 32 + ".safetensors")) and (own / MARKER).is_file()
+        assert {path: path.read_text() for path in theirs} == theirs
+        assert caplog.text.count("holds what the server did not write") == 1
+
+
+def _forged(state, change: str):
+    """`state` with one array of another shape or dtype, or without one (as another model's
+    state, or a file made to pass its index's checksums, would be)."""
+    cache, head = adapter.copy_cache(state.cache), adapter.copy_cache(state.head_cache)
+    gdn, kv = cache[0].cache, cache[3]  # the fixture's layer 0 is Gated DeltaNet, layer 3 attention
+    if change == "recurrent state":
+        gdn[1] = gdn[1][..., :8]
+    elif change == "conv state dtype":
+        gdn[0] = gdn[0].astype(mx.float16)
+    elif change == "no recurrent state":
+        gdn[1] = None
+    elif change == "KV heads":
+        kv.keys, kv.values = kv.keys[:, :1], kv.values[:, :1]
+    elif change == "head KV":
+        head[0].keys = head[0].keys[..., :8]
+    pend_h = state.pend_h[:, :32] if change == "hidden size" else state.pend_h
+    logits = state.last_logits[:100] if change == "vocabulary" else state.last_logits
+    return dataclasses.replace(state, cache=cache, head_cache=head, pend_h=pend_h, last_logits=logits)
+
+
+def test_a_state_of_other_shapes_is_a_miss_and_deleted(fixture_model, tmp_path):
+    """A state whose arrays are not of the model's shapes and dtypes, with an index that
+    agrees with them (its checksums too): a miss (counted), deleted, and the answer a
+    fresh prefill gives."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompt = prompt_of(100, seed=95)
+    eng = engine(model, tok, tmp_path / "first")
+    run(eng, [prompt], max_tokens=1)
+    state = eng.prefix_cache.entries[tuple(prompt)]
+    follow = prompt + prompt_of(5, seed=96)
+    expected = reference_greedy(ref, follow, 12)
+    for i, change in enumerate(["recurrent state", "conv state dtype", "no recurrent state", "KV heads", "head KV",
+                                "hidden size", "vocabulary"]):
+        folder = tmp_path / f"forged-{i}"
+        engine(model, tok, folder).prefix_cache.disk.save(_forged(state, change))
+        again = engine(model, tok, folder)
+        disk = again.prefix_cache.disk
+        assert tuple(prompt) in disk.entries  # the index agrees with the file
+        (out,), (cached,) = run(again, [follow])
+        assert (out, cached, disk.rejected, disk.loads) == (expected, 0, 1, 0), change
+        assert not disk.entries and not list(disk.folder.glob("*.safetensors")), change
+
+
+def test_a_state_with_changed_bytes_is_a_miss_and_deleted(fixture_model, tmp_path):
+    """Bytes flipped inside a state's arrays (the file as long as it was): a miss (counted),
+    deleted, and the answer a fresh prefill gives."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompt = prompt_of(110, seed=97)
+    eng = engine(model, tok, tmp_path)
+    run(eng, [prompt])
+    eng.prefix_cache.save_to_disk()
+    (end,) = eng.prefix_cache.disk.entries.values()  # the request's end state
+    data = eng.prefix_cache.disk.folder / (end.name + ".safetensors")
+    raw = bytearray(data.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")  # past the header: the arrays
+    middle = (start + len(raw)) // 2
+    raw[middle : middle + 16] = bytes(b ^ 0x5A for b in raw[middle : middle + 16])
+    data.write_bytes(bytes(raw))
+    again = engine(model, tok, tmp_path)
+    disk = again.prefix_cache.disk
+    follow = list(end.tokens) + prompt_of(4, seed=98)
+    (out,), (cached,) = run(again, [follow])
+    assert out == reference_greedy(ref, follow, 12) and cached == 0
+    assert disk.rejected == 1 and disk.loads == 0 and not disk.entries and not data.exists()
+
+
+def test_symbolic_links_are_never_followed(fixture_model, tmp_path, caplog):
+    """Links in the folder and in the model's subfolder (to folders, to files, one named as
+    another model's subfolder) stop nothing, within a budget too small for any entry, and
+    neither they nor what they point to are touched. A link in place of the model's
+    subfolder turns the disk tier off (warned once): nothing is written through it."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    eng = engine(model, tok, store)
+    run(eng, [prompt_of(120, seed=99)], max_tokens=4)
+    eng.prefix_cache.save_to_disk()
+    own = eng.prefix_cache.disk.folder
+    marked = outside / "marked"  # looks like a folder of the server's, behind a link
+    marked.mkdir(parents=True)
+    (marked / MARKER).write_text("")
+    (marked / f"{'ab' * 16}.safetensors").write_bytes(b"x" * 5000)
+    (outside / "kept.txt").write_text("kept")
+    links = {store / "link": outside, own / "link": outside, store / "fedcba9876543210fedc": marked,
+             own / f"{'cd' * 16}.safetensors": outside / "kept.txt"}
+    for link, target in links.items():
+        link.symlink_to(target, target_is_directory=target.is_dir())
+    before = sorted(str(p) for p in outside.rglob("*"))
+    for disk in (1000, 256 << 20):  # too small for any entry, then a restart
+        assert engine(model, tok, store, disk=disk).prefix_cache.disk.usable
+        assert all(link.is_symlink() for link in links) and sorted(str(p) for p in outside.rglob("*")) == before
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = tmp_path / "linked"
+    (linked / own.name).parent.mkdir()
+    (linked / own.name).symlink_to(elsewhere, target_is_directory=True)
+    caplog.clear()
+    off = engine(model, tok, linked)
+    prompt = prompt_of(100, seed=100)
+    (out,), _ = run(off, [prompt])
+    off.prefix_cache.save_to_disk()
+    assert out == reference_greedy(ref, prompt, 12) and not off.prefix_cache.disk.usable
+    assert not list(elsewhere.iterdir()) and not off.prefix_cache.disk.entries
+    assert caplog.text.count("is a symbolic link") == 1
+
+
+def test_a_folder_deleted_under_a_running_store_is_noticed(fixture_model, tmp_path):
+    """`rm -rf` of the folder while engines run: the next write re-creates it (marked) and
+    writes the states again, and a state whose files are gone is a miss that has the store
+    read the folder again, so its entries are those on disk."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    store = tmp_path / "store"
+    eng = engine(model, tok, store)
+    run(eng, [prompt_of(130, seed=101), prompt_of(125, seed=102)], max_tokens=4)
+    pc = eng.prefix_cache
+    pc.save_to_disk()
+    written = set(pc.disk.entries)
+    assert len(written) == 2
+    again = engine(model, tok, store)  # knows the two from the files
+    shutil.rmtree(store)
+    pc.save_to_disk()
+    folder = pc.disk.folder
+    assert set(pc.disk.entries) == written and len(list(folder.glob("*.json"))) == 2 and (folder / MARKER).is_file()
+    assert pc.disk.bytes == sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    shutil.rmtree(store)
+    follow = list(max(written, key=len)) + prompt_of(3, seed=103)
+    (out,), (cached,) = run(again, [follow])
+    assert out == reference_greedy(ref, follow, 12) and cached == 0
+    assert not again.prefix_cache.disk.entries and again.prefix_cache.disk.bytes == 0
+    assert (folder / MARKER).is_file()

@@ -200,8 +200,9 @@ def _staging_pid(path: Path) -> Optional[int]:
     return int(m.group(1) or m.group(2)) if m else None
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` is another process that is still running."""
+def another_process_running(pid: int) -> bool:
+    """Whether `pid` is another process that is still running (the writer of a staging
+    name here, or of a prefix cache temporary: engine/prefix_folders.py)."""
     if pid == os.getpid():
         return False
     try:
@@ -216,7 +217,7 @@ def _running(pid: int) -> bool:
 def _stale(path: Path) -> bool:
     """Whether `path` is a staging folder (a real folder of `_STAGING_NAME`) of a run that is over."""
     pid = _staging_pid(path)
-    return pid is not None and path.is_dir() and not path.is_symlink() and not _running(pid)
+    return pid is not None and path.is_dir() and not path.is_symlink() and not another_process_running(pid)
 
 
 def leftovers(model_dir: Path) -> List[Path]:

@@ -2,8 +2,11 @@
 
 An entry is `<name>.safetensors`, its arrays by name (written with MLX's own
 `mx.save_safetensors`), and `<name>.json`: its tokens, how to rebuild its caches from the
-arrays, and the size of the arrays' file. Each is written under a temporary name and renamed
-into place once complete, the JSON last.
+arrays, each array's shape, dtype and checksum, the size of the arrays' file, and a
+checksum of the rest of the JSON (prefix_check.py). `<name>` is the first 32 hex digits of
+the SHA-256 of its tokens (`entry_name`), which a reader checks against them. Each file is
+written under a temporary name (`tmp-<pid>-<name>.<ext>`) and renamed into place once
+complete, the JSON last.
 
 mlx-lm's `save_prompt_cache` / `load_prompt_cache` rebuild mlx-lm's own cache classes by
 name from a flat list; an entry here holds RaggedKVCache rows, the MTP head's cache, its
@@ -12,8 +15,9 @@ pending inputs and the logits after the last token, so it has this small layout 
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
+from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -21,9 +25,34 @@ import mlx.core as mx
 
 from ..mlxlm.ragged_cache import RaggedKVCache
 from .prefix_cache import PrefixEntry
+from .prefix_folders import remove
 from .prefix_trie import Tokens
 
-FORMAT = 1  # bump when the layout below changes: older files are then not read
+# Bump when the layout below changes: the model's fingerprint, and so its folder, changes
+# with it (model_fingerprint), and older files are never read.
+FORMAT = 2
+
+
+def entry_name(tokens: Tokens) -> str:
+    """The name of the files of the entry after `tokens`."""
+    return hashlib.sha256(repr(tuple(tokens)).encode()).hexdigest()[:32]
+
+
+def model_fingerprint(model_dir: Path, head: bool, hidden_state: str) -> str:
+    """What a stored state depends on: the model's files (names, sizes, times), whether it
+    drafts with the head, which hidden state feeds the head, and the mlx / mlx-lm versions
+    that computed it. Any change gives another subfolder, never a state of another model."""
+    h = hashlib.sha256(f"format {FORMAT}; head {head}; hidden {hidden_state}".encode())
+    for package in ("mlx", "mlx-lm"):
+        h.update(f"; {package} {package_metadata.version(package)}".encode())
+    model_dir = Path(model_dir)
+    # Its files and those one folder down (mtp/): not deeper, where a prefix cache folder
+    # placed inside the model's own would change the fingerprint with every entry.
+    for path in sorted([*model_dir.glob("*"), *model_dir.glob("*/*")]):
+        if path.is_file():
+            st = path.stat()
+            h.update(f"; {path.relative_to(model_dir)} {st.st_size} {st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
 
 
 def flatten(entry: PrefixEntry) -> Tuple[Dict[str, mx.array], dict]:
@@ -84,8 +113,9 @@ def _layers(layout: list, prefix: str, arrays: Dict[str, mx.array], like: list) 
             c.lengths = [int(size)]
             if size:
                 c.keys, c.values = arrays[f"{prefix}.{i}.keys"], arrays[f"{prefix}.{i}.values"]
-                if c.keys.shape[2] != size or c.keys.shape[0] != 1:
-                    raise ValueError(f"layer {i}: keys of shape {c.keys.shape} for {size} positions")
+                if any(a.shape[0] != 1 or a.shape[2] != size for a in (c.keys, c.values)):
+                    raise ValueError(f"layer {i}: keys / values of shapes {c.keys.shape} / {c.values.shape} for "
+                                     f"{size} positions")
         elif kind == "gdn" and not isinstance(fresh, RaggedKVCache) and size == len(fresh.cache):
             c = type(fresh)(size)  # mlx-lm's ArraysCache, as the model's own
             c.cache = [arrays.get(f"{prefix}.{i}.{j}") for j in range(size)]
@@ -111,17 +141,3 @@ def write_atomically(path: Path, write) -> None:
     except BaseException:
         remove(tmp)
         raise
-
-
-def folder_size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-
-
-def remove(path: Path) -> None:
-    try:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass

@@ -65,7 +65,8 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
 @click.option("--prefix-cache-dir", default=None, type=click.Path(file_okay=False),
               help="A folder where the prefix cache keeps the states it evicts from memory and those it holds "
                    "at shutdown; a prompt that starts with one loads it instead of prefilling, also after a "
-                   "restart (one subfolder per model). Default: memory only.")
+                   "restart (one subfolder per model, marked as the server's: nothing else in the folder is "
+                   "ever deleted or counted, links are never followed). Default: memory only.")
 @click.option("--prefix-cache-disk-mb", default=PREFIX_DISK_MB, show_default=True, type=click.IntRange(min=1),
               help="The most MiB of files --prefix-cache-dir holds, the least recently used leaving first; "
                    "it never writes into the disk's last twentieth (at least 2 GiB).")

@@ -50,7 +50,10 @@ class Metrics:
         self.prefix_cache_entries = Gauge(p + "prefix_cache_entries", "States the prefix cache holds.",
                                           registry=r)
         self.prefix_cache_lookups = Gauge(p + "prefix_cache_lookups", "Prefix cache lookups by result, since the "
-                                          "engine started.", ["result"], registry=r)
+                                          "engine started: hit, miss; disk: the hits that loaded their state from "
+                                          "disk (--prefix-cache-dir); rejected: states found on disk but not used "
+                                          "(unreadable, gone, not exactly what was written, or not of the model's "
+                                          "shapes), each deleted.", ["result"], registry=r)
         self.prefix_disk_bytes = Gauge(p + "prefix_cache_disk_bytes", "Bytes of files the prefix cache keeps on "
                                        "disk (--prefix-cache-dir).", registry=r)
         self.prefix_disk_entries = Gauge(p + "prefix_cache_disk_entries", "States the prefix cache keeps on disk.",
@@ -73,6 +76,9 @@ class Metrics:
         self.prefix_cache_lookups.labels("miss").set_function(read(lambda c: c.misses))
         # "disk": the hits that loaded their state from disk.
         self.prefix_cache_lookups.labels("disk").set_function(read(lambda c: c.disk.loads if c.disk else 0))
+        # "rejected": states found on disk for a prompt that failed their checks (each deleted;
+        # the lookup goes on without them).
+        self.prefix_cache_lookups.labels("rejected").set_function(read(lambda c: c.disk.rejected if c.disk else 0))
         self.prefix_disk_bytes.set_function(read(lambda c: c.disk.bytes if c.disk else 0))
         self.prefix_disk_entries.set_function(read(lambda c: len(c.disk.entries) if c.disk else 0))
 
