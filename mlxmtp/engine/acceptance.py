@@ -34,6 +34,7 @@ class Acceptance:
         self.kept: Dict[Tuple[Hashable, int], List[float]] = {}
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
+        self._first_tried: Counter = Counter()  # per class, every first draft tried
 
     def estimate(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k for rows of class
@@ -72,6 +73,7 @@ class Acceptance:
         for counts in (*self.kept.values(), *self.tried.values()):
             for i in range(1, self.max_depth + 1):
                 counts[i] *= self.decay
+        self._first_tried.update(classes)
         for kept, cls in zip(kept_per_row, classes):
             kept_c, tried_c = self._counts((cls, k))
             for i in range(1, k + 1):
@@ -79,6 +81,10 @@ class Acceptance:
                     tried_c[i] += 1
                     if kept >= i:
                         kept_c[i] += 1
+
+    def first_drafts_tried(self, cls: Hashable) -> int:
+        """How many first drafts rows of class `cls` have had tried, ever (not decayed)."""
+        return self._first_tried[cls]
 
     def _counts(self, key):
         if key not in self.kept:

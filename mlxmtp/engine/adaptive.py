@@ -13,9 +13,12 @@ The pieces: `acceptance.Acceptance` learns a_i per class of request and per dept
 machine's drifting speed cancels (drafting depths never measured are priced by a line
 a + b*k through those that were), and `cycle_costs.SwitchCosts` the extra cost of a
 switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
-depths than the chosen one. Plain decoding and k = 1 are calibrated first, in
-alternating blocks, unless the engine seeded the costs (engine/calibration.py: the
-first batch bucket only, both kinds).
+depths than the chosen one. Plain decoding and k = 1 are measured first, live, in
+alternating blocks; a start-up calibration (engine/calibration.py: the first batch
+bucket only, both kinds) only gives priors, which a live ratio replaces. Until the head's
+first drafts have been tried a few times, drafting goes on wherever it could pay
+(`_learning`): plain decoding chosen on the prior acceptance alone would never learn
+that the head is good.
 
 On a backend where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0)
 for every k > 0 and the policy settles on 0: as fast as MTP off, up to the probe cycles,
@@ -59,6 +62,7 @@ class PolicyConfig:
     margin: float = 0.05  # drafting must beat plain decoding by this much
     hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
     min_samples: int = 3  # cost samples before a depth counts as measured
+    learn_drafts: int = 8  # first drafts tried per class before plain decoding may be chosen (_learning)
     burst: int = 3  # cycles per calibration block / probe without a partner
     prior_accept: float = 0.5  # acceptance assumed before any draft was tried
     prior_weight: float = 2.0  # pseudo-counts of that prior
@@ -68,8 +72,9 @@ class PolicyConfig:
 
 
 # Why a cycle got its depth (DepthPolicy.why, the engine's stats and /metrics).
-FIXED, NO_ROOM, CALIBRATING, PROBE, BEST, HOLDING = (
-    "fixed", "no room to draft", "calibrating", "probe", "best expected rate", "holding (switch not worth it)")
+FIXED, NO_ROOM, CALIBRATING, PROBE, BEST, HOLDING, LEARNING = (
+    "fixed", "no room to draft", "calibrating", "probe", "best expected rate", "holding (switch not worth it)",
+    "learning acceptance")
 
 
 class DepthPolicy(Policy):
@@ -99,14 +104,15 @@ class DepthPolicy(Policy):
         batch bucket reached later learns its costs from its own cycles (calibration
         blocks, then probes), which emit tokens all along."""
         return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
-                and not any(c.samples(0) >= self.cfg.min_samples for c in self.costs.values()))
+                and not any(c.priors or c.samples(0) >= self.cfg.min_samples for c in self.costs.values()))
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
         """Calibrated seconds per cycle of each depth at this batch size for batches of this
-        kind, as prior samples (`min_samples` each: the depths count as measured at once, and
-        the policy skips its calibration blocks); the cycles timed from now on join and
-        outweigh them."""
-        self._costs((_bucket(batch_size), kind)).seed(seconds, self.cfg.min_samples)
+        kind, as priors (CycleCosts.seed): a start-up calibration on a busy machine can be off
+        by half, so live cycles still measure plain decoding against k = 1 in alternating
+        blocks and probe the other depths before any counts as measured; the calibration
+        orders the depths until then, and compiles their kernels on the way."""
+        self._costs((_bucket(batch_size), kind)).seed(seconds)
 
     def acceptance(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k (see Acceptance)."""
@@ -151,12 +157,30 @@ class DepthPolicy(Policy):
             if probes.fits(self._probe_plan(best), limit):
                 return self._because(PROBE, self._start_probe(best))
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
-        best, why = self._hold(key, best, mean)
+        if self._learning(key, classes, bound):
+            best, why = self._learning_depth(key, bound), LEARNING
+        else:
+            best, why = self._hold(key, best, mean)
         self.regime = best
         alt = self._due_probe(key, best, costs, mean, bound, limit)
         if alt is not None:
             return self._because(PROBE, self._start_probe(alt))
         return self._because(why, best)
+
+    def _learning(self, key: Tuple[int, str], classes: List[Hashable], bound: Dict[int, float]) -> bool:
+        """Whether drafting goes on, whatever the mean estimates say, until the head's first
+        drafts have been tried `learn_drafts` times for every class of the batch: before
+        that, plain decoding would be chosen on the prior acceptance alone, and once chosen
+        it teaches nothing about acceptance (a noisy start-up calibration used to lock whole
+        runs into plain decoding where drafting made 1.4x). Only where a measured drafting
+        depth could beat plain decoding by the optimistic estimates (`bound`)."""
+        return (self._learning_depth(key, bound) is not None
+                and min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts)
+
+    def _learning_depth(self, key: Tuple[int, str], bound: Dict[int, float]) -> Optional[int]:
+        """The cheapest measured drafting depth that could beat plain decoding by the
+        optimistic estimates (the first drafts, what decides most, cost least there)."""
+        return next((k for k in sorted(bound) if k > 0 and self._calibrated(key, k) and bound[k] > bound[0]), None)
 
     def _switch_table(self, key: Tuple[int, str]) -> None:
         """A batch priced by another table (another batch bucket or kind) than the last
@@ -179,6 +203,8 @@ class DepthPolicy(Policy):
         stretch; the first plain cycle after drafting is not pipelined), and between
         drafting depths a close call must not flip with every noisy sample."""
         cur = self.regime
+        if self.why == LEARNING:  # a depth chosen to learn acceptance was never chosen on merit
+            return best, BEST
         if cur in mean and self._calibrated(key, cur) and best != cur:
             if mean[best] < mean[cur] * (1 + (self.cfg.margin if 0 in (best, cur) else self.cfg.hysteresis)):
                 return cur, HOLDING

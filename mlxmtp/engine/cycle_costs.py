@@ -29,6 +29,7 @@ class CycleCosts:
         self.window = window
         self.max_gap = max_gap
         self.pairs: Dict[Tuple[int, int], Deque[float]] = {}  # (j, k), j < k -> samples of log(c_k / c_j)
+        self.priors: Dict[Tuple[int, int], float] = {}  # (j, k) -> log(c_k / c_j) from a calibration
         self.measured_at: Dict[int, int] = {}  # depth -> cycle of its last timed sample
         self._last: Optional[Tuple[int, float, int]] = None  # (depth, log seconds, cycle) of the last timed cycle
         self._solved: Optional[Dict[int, float]] = None
@@ -45,14 +46,16 @@ class CycleCosts:
         self._last = (k, log_s, cycle)
         self.measured_at[k] = cycle
 
-    def seed(self, seconds: Dict[int, float], weight: int) -> None:
-        """Prior samples: `weight` copies of each drafting depth's ratio to plain decoding
-        from measured `seconds` per cycle (engine/calibration.py). Timed cycles join them
-        in the same windows and outnumber them as they come."""
+    def seed(self, seconds: Dict[int, float]) -> None:
+        """Priors from measured `seconds` per cycle (engine/calibration.py): k = 1's ratio to
+        plain decoding, each deeper depth's to k = 1. A prior prices its pair only until a
+        timed cycle measures that pair: one measurement at start-up on a busy machine can be
+        off by half, and a live ratio is never outvoted by it. Chained this way, the live
+        ratio of k = 1 to plain decoding, measured first, also moves the deeper depths."""
         for k, c in seconds.items():
-            if k > 0 and seconds.get(0):
-                self.pairs.setdefault((0, k), deque(maxlen=self.window)).extend(
-                    [math.log(c / seconds[0])] * weight)
+            base = 0 if k == 1 else 1
+            if k > 0 and seconds.get(base):
+                self.priors[(base, k)] = math.log(c / seconds[base])
         self._solved = None
 
     def samples(self, k: int) -> int:
@@ -65,10 +68,10 @@ class CycleCosts:
         if self._solved is not None:
             return self._solved
         links: Dict[int, list] = {}
-        for (j, k), w in self.pairs.items():
-            d = statistics.median(w)
-            links.setdefault(j, []).append((k, d, len(w)))  # log c_k = log c_j + d
-            links.setdefault(k, []).append((j, -d, len(w)))
+        known = {pair: (statistics.median(w), len(w)) for pair, w in self.pairs.items()}
+        for (j, k), (d, n) in {**{pair: (d, 1) for pair, d in self.priors.items()}, **known}.items():
+            links.setdefault(j, []).append((k, d, n))  # log c_k = log c_j + d
+            links.setdefault(k, []).append((j, -d, n))
         if not links:
             self._solved = {}
             return self._solved
