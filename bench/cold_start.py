@@ -10,6 +10,8 @@ min, median and max over rounds, and the spread (max - min) / max of those ratio
     python bench/cold_start.py                         # demo, greedy, 6 rounds, off / adaptive / k=3
     python bench/cold_start.py --rounds 10 --temp 0.6 --depths 2,3
     python bench/cold_start.py --model /path/to/mlx-model --max-tokens 200 --markdown
+    git worktree add /tmp/before HEAD~1
+    python bench/cold_start.py --baseline /tmp/before    # adaptive of another checkout too
 
 Decode tokens per second is the engine's own figure (`stats.tokens_per_second`: tokens
 after the first over the decode time), so load time and prefill do not count.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,17 +30,20 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
 def run_once(model, setting: str, args) -> dict:
-    """One fresh process of `mlxmtp generate` with `setting` ('off', 'adaptive' or a depth)
-    -> its JSON output."""
+    """One fresh process of `mlxmtp generate` with `setting` ('off', 'adaptive', a depth,
+    or 'baseline': adaptive, from the checkout `args.baseline`) -> its JSON output."""
+    env = dict(os.environ)
+    if setting == "baseline":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "mlxmtp.cli", "generate", "--prompt", args.prompt, "--no-chat-template",
            "--temp", str(args.temp), "--max-tokens", str(args.max_tokens), "--json"]
     cmd += ["--model", model] if model else []
     cmd += ["--seed", "0"] if args.temp > 0 else []
     if setting == "off":
         cmd.append("--disable-mtp")
-    elif setting != "adaptive":
+    elif setting not in ("adaptive", "baseline"):
         cmd += ["--num-draft", setting]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout)
@@ -45,7 +51,7 @@ def run_once(model, setting: str, args) -> dict:
 
 def measure(args) -> dict:
     """{setting: [decode tok/s of each round]} and {setting: [depths histogram]}."""
-    settings = ["off", "adaptive", *[d for d in args.depths.split(",") if d]]
+    settings = ["off", "adaptive", *(["baseline"] if args.baseline else []), *[d for d in args.depths.split(",") if d]]
     rates = {s: [] for s in settings}
     depths = {s: [] for s in settings}
     for r in range(args.rounds):
@@ -79,6 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--baseline", default=None, help="another checkout's root: its adaptive policy runs too")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true", help="print the raw measurements as JSON")
     args = p.parse_args(argv)

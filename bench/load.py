@@ -166,7 +166,18 @@ def poison_bodies(model: str) -> List[Tuple[str, str, Union[dict, bytes]]]:
          {"model": model, "prompt": [-1, 5], "max_tokens": 8, "temperature": 0, "stream": True}),
         ("top_k -5", "/v1/messages",
          {"model": model, "max_tokens": 8, "temperature": 0, "top_k": -5, "stream": True, "messages": msgs}),
+        ("a schema of 3000 $ref hops (it once overflowed the grammar compiler's stack)", "/v1/chat/completions",
+         chat(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": _ref_chain(3000)}})),
+        ("a pattern the grammar's lexer gives up on", "/v1/messages",
+         {"model": model, "max_tokens": 8, "temperature": 0, "stream": True, "messages": msgs, "output_config": {
+             "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(x{1000}){1000}$"}}}}),
     ]
+
+
+def _ref_chain(hops: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(hops - 1)}
+    defs[f"d{hops - 1}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 def build_specs(model: str, n: int, *, poison: Optional[int] = None, seed: int = 0) -> List[Spec]:
