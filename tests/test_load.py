@@ -19,10 +19,11 @@ def load():
 
 
 def test_poison_bodies_are_what_they_claim(load):
-    specs = load.build_specs("m", 30, poison=7, seed=1)
+    kinds = len(load.poison_bodies("m"))
+    specs = load.build_specs("m", 30, poison=kinds, seed=1)
     bad = [s for s in specs if s.poison]
-    assert len(specs) == 30 and len(bad) == 7
-    assert len({s.poison for s in bad}) == 7  # every kind once
+    assert len(specs) == 30 and len(bad) == kinds
+    assert len({s.poison for s in bad}) == kinds  # every kind once
     raw = {s.poison: s.payload() for s in bad}
     assert b'"temperature": NaN' in raw["temperature NaN"]
     assert b'abc \\ud800 def' in raw["lone surrogate in content"]  # escaped in JSON text, invalid once decoded
@@ -37,13 +38,14 @@ def test_poison_bodies_are_what_they_claim(load):
 def test_load_one_request_never_hurts_another(load, tmp_path):
     model = write_hf_checkpoint(tmp_path / "model", "qwen3_5")  # float32: batched == solo bit for bit
     # 24 requests, every poison kind once: well under 2 minutes on 2 CPU cores.
-    report = load.run(str(model), requests=24, poison=7)
+    kinds = len(load.poison_bodies("m"))
+    report = load.run(str(model), requests=24, poison=kinds)
     print(load.summary(report))
     failures = report["failures"]
     assert not [f for f in failures if "lost" in f or "died" in f], failures
     poison = [f for f in failures if "poison" in f]
-    assert report["poison_rejected"] == report["poison"] == 7, poison
-    assert report["ok"] == report["good"] == 17, [f for f in failures if "poison" not in f]
+    assert report["poison_rejected"] == report["poison"] == kinds, poison
+    assert report["ok"] == report["good"] == 24 - kinds, [f for f in failures if "poison" not in f]
     growth = (report["rss_after_kb"] - report["rss_warm_kb"]) / report["rss_warm_kb"]
     assert abs(growth) <= load.RSS_TOLERANCE, report
     assert not failures
