@@ -145,7 +145,7 @@ class BatchGenerator:
             self._drain(events)  # joins and cancellations change the batch: settle it first
         new, cancelled = self.inbox.take()
         scheduler.admit(new, self._new_row, self.waiting, events)
-        self._drop_rows(scheduler.cancel(cancelled, self.waiting, self.rows, events))
+        self._drop_rows(scheduler.cancel(cancelled, self.waiting, self.rows, events, self.prefiller.keep_partial))
         if self._inflight is not None and self.waiting:
             # A request submitted between the check above and the take: settle the batch
             # before it can join (a cycle in flight has an input for its own rows only).

@@ -109,6 +109,15 @@ class Prefiller:
             self._store(row, row.last_logits)
         return True
 
+    def keep_partial(self, row: Row) -> None:
+        """Keep the state a request's prefill reached when it is cancelled part way, as a
+        strict prefix of its prompt: a client that gives up on a long prefill and sends the
+        same request again (a timeout and a retry: the OpenAI SDKs, Qwen Code after 240 s
+        without data) resumes there instead of starting over, which on a long prompt meant
+        never finishing. A checkpoint's worth: kept on disk too when memory evicts it."""
+        if row.cache is not None and not row.resuming and 0 < row.done_prompt < len(row.prompt):
+            self._store(row, None, boundary=True)
+
     def _store(self, row: Row, last_logits, boundary: bool = False) -> None:
         """Keep the row's state after its first `done_prompt` prompt tokens in the prefix cache
         (`boundary`: a checkpoint, where other prompts are known or expected to branch off)."""

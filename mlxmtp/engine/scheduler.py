@@ -76,11 +76,14 @@ def admit(requests: List[Request], make_row: Callable[[Request], Row], waiting: 
             events.append(failed(req.id, f, None))
 
 
-def cancel(cancelled: Set[int], waiting: deque, rows: List[Row], events: List[Event]) -> List[int]:
-    """Cancel waiting and active rows; -> the batch indices of the active ones (to drop)."""
+def cancel(cancelled: Set[int], waiting: deque, rows: List[Row], events: List[Event],
+           keep_partial: Callable[[Row], None]) -> List[int]:
+    """Cancel waiting and active rows (`keep_partial`: what a waiting row's prefill reached
+    is kept, see Prefiller.keep_partial); -> the batch indices of the active ones (to drop)."""
     if not cancelled:
         return []
     for r in [r for r in waiting if r.req.id in cancelled]:
+        keep_partial(r)
         waiting.remove(r)
         events.append(Event(r.req.id, [], "", "cancelled", stats=r.stats))
     gone = [i for i, r in enumerate(rows) if r.req.id in cancelled]

@@ -152,6 +152,12 @@ class ChatReply(_OpenAIReply):
     def opening(self, gen: Generation) -> List[str]:
         return [self.chunk({"role": "assistant", "content": ""})]
 
+    def keepalive(self) -> str:
+        """A chunk of no text, not a comment: agents' OpenAI SDKs skip SSE comments, and some
+        abort a stream that sent no data for a while (Qwen Code: 240 s) and retry it, which a
+        long prompt's prefill outlasts."""
+        return self.chunk({"content": ""})
+
     def update(self, gen: Generation, pieces, ev) -> List[str]:
         deltas = [delta for kind, value in pieces for delta in self._deltas(kind, value)]
         lp = _chat_logprobs(self.tok, ev.logprobs) if (self.want_lp and ev.logprobs) else None
