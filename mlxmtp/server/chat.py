@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import tool_grammar
 from .errors import APIError
 from .reasoning import THINK_END, OutputSplitter, starts_in_thinking
 from .shared_prefix import shared_prefix
@@ -250,7 +251,7 @@ def tool_call_opening(tok, name: Optional[str] = None) -> str:
     """The start of a tool call in the model's own format: Qwen3-Coder XML where the
     template writes calls as `<function=NAME>`, else Hermes JSON; with the name when one
     tool is forced. Ends where the model's own next token would start (after `":` / `>\n`)."""
-    if "<function=" in str(tok.chat_template):
+    if tool_grammar.is_xml(tok):
         return TOOL_CALL_START + "\n<function=" + (f"{name}>\n" if name else "")
     return TOOL_CALL_START + "\n" + (f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":' if name else "")
 
@@ -263,6 +264,8 @@ class Prompt:
     opening: str = ""  # a forced tool-call opening at the end of the prompt, as if the model had written it
     continues: bool = False  # the prompt ends inside a prefilled answer (render's continue_final)
     shared: int = 0  # leading tokens other conversations share (shared_prefix.py)
+    tools: Optional[List[dict]] = None  # the tools listed, where a call is forced
+    forced: Optional[str] = None  # with `opening`: "required" or the forced tool's name
 
     def splitter(self, tools: Optional[List[dict]]) -> OutputSplitter:
         return OutputSplitter(in_thinking=self.in_think, parse_tools=bool(tools), tools=tools, emitted=self.opening)
@@ -289,7 +292,7 @@ def build_prompt(tok, messages: List[Message], tools: Optional[List[dict]] = Non
     opening = tool_call_opening(tok, None if tool_choice == "required" else tool_choice)
     text += opening
     ids = tok.encode(text, add_special_tokens=False)
-    return Prompt(ids, text, False, opening, shared=min(shared, len(ids)))
+    return Prompt(ids, text, False, opening, shared=min(shared, len(ids)), tools=tools, forced=tool_choice)
 
 
 def encode_prompt(tok, prompt: Any) -> List[int]:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from . import schema_limits
+from . import schema_limits, tool_grammar
 from .errors import APIError
 
 # The model served in this process (one per process): its tokenizer and vocabulary, for
@@ -34,29 +34,37 @@ _MODEL: dict = {}
 def serve_tokenizer(tok, vocab_size: int) -> None:
     """Name the tokenizer the grammars of this process are compiled for (the server and
     every rank following it call this at start-up)."""
-    _MODEL.update(tok=tok, vocab_size=vocab_size, compiled=None)
+    _MODEL.clear()
+    _MODEL.update(tok=tok, vocab_size=vocab_size)
 
 
-def _ll_tokenizer():
+def _ll_tokenizer(keep: Tuple[str, ...] = ()):
     """llguidance's view of the served tokenizer, made on first use (~1 s for 250K tokens).
 
     Built from the tokenizer's JSON as llguidance.hf.from_tokenizer builds it, less the
-    added tokens that are not special (Qwen's <think>, <tool_call>, ...): llguidance takes
-    every added token as a special one, which its mask may offer where a schema's text
-    spells the tag and its matcher then refuses, leaving the rest unheld. Without them held
-    text spells such a tag byte by byte, and the model never writes the token itself there."""
+    added tokens that are not special (Qwen's <think>, <tool_call>, ...) other than those in
+    `keep`: llguidance takes every added token as a special one, which its mask may offer
+    where a schema's text spells the tag and its matcher then refuses, leaving the rest
+    unheld. Without them held text spells such a tag byte by byte, and the model never
+    writes the token itself there. A forced tool call keeps `</tool_call>`, which its
+    grammar names as the token the model ends a call with (tool_grammar.py)."""
     from llguidance import LLTokenizer  # on use: only requests with a format need it
 
-    if _MODEL.get("compiled") is None:
+    if ("compiled", keep) not in _MODEL:
         tok = _MODEL["tok"]
         backend = copy.copy(tok._tokenizer.backend_tokenizer)
         backend.no_padding()
         backend.no_truncation()
         spec = json.loads(backend.to_str())
-        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
-        _MODEL["compiled"] = LLTokenizer(json.dumps(spec), n_vocab=_MODEL["vocab_size"],
-                                         eos_token=sorted(tok.eos_token_ids))
-    return _MODEL["compiled"]
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special") or t["content"] in keep]
+        _MODEL["compiled", keep] = LLTokenizer(json.dumps(spec), n_vocab=_MODEL["vocab_size"],
+                                               eos_token=sorted(tok.eos_token_ids))
+    return _MODEL["compiled", keep]
+
+
+def _added_token(text: str) -> Optional[int]:
+    """The id of the served tokenizer's added token `text` (Qwen's `</tool_call>`), if any."""
+    return next((i for i, t in _MODEL["tok"]._tokenizer.added_tokens_decoder.items() if t.content == text), None)
 
 
 def requested_schema(fmt, where: str) -> Optional[dict]:
@@ -150,11 +158,12 @@ def compile_schema(schema: dict, where: str):
     return grammar, matcher
 
 
-def _matcher(grammar: str):
-    """A matcher of `grammar` for the served tokenizer, compiled on a large stack."""
+def _matcher(grammar: str, keep: Tuple[str, ...] = ()):
+    """A matcher of `grammar` for the served tokenizer (see _ll_tokenizer), compiled on a
+    large stack."""
     import llguidance  # on use, as above
 
-    tokenizer = _ll_tokenizer()
+    tokenizer = _ll_tokenizer(tuple(keep))
     return schema_limits.on_large_stack(lambda: llguidance.LLMatcher(tokenizer, grammar))
 
 
@@ -187,28 +196,51 @@ def _anything_allowed(matcher) -> bool:
 
 def hold_to_format(req, tok, fmt, where: str, prompt) -> None:
     """Hold the engine request's answer to the format field `fmt` (named `where`), if it
-    asks for one. `prompt` (chat.Prompt): a turn that starts inside <think> is held from
-    `</think>` on; a turn the server forces to call a tool cannot also be held to a format."""
+    asks for one, and a forced tool call to the call's grammar. `prompt` (chat.Prompt): a
+    turn that starts inside <think> is held from `</think>` on; a turn the server forces to
+    call a tool cannot also be held to a format."""
     schema = requested_schema(fmt, where)
-    if schema is None:
-        return
-    if prompt.opening:
+    if prompt.opening and schema is not None:
         raise APIError(400, f"'{where}': a turn forced to call a tool (tool_choice) cannot also be held to "
                             "a format", param=where)
+    if prompt.opening:
+        _hold_call(req, tok, prompt)
+    if schema is None:
+        return
     opens_after = tok.encode("</think>", add_special_tokens=False) if prompt.in_think else None
     grammar, matcher = compile_schema(schema, where)
     req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), opens_after))
 
 
-def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[int]] = None) -> "GrammarProcessor":
-    """The processor of a grammar `compile_schema` made (how another rank rebuilds it)."""
-    return _processor(grammar, _matcher(grammar), prompt_len, opens_after)
+def _hold_call(req, tok, prompt) -> None:
+    """Hold a forced tool call to its grammar (tool_grammar.py) from the token after the
+    call's opening, which ends the prompt. A 400 naming `tools` where a tool's schema cannot
+    be enforced at all (past the bounds, not compiled, a pattern the lexer gives up on)."""
+    import llguidance  # on use, as above
+
+    end = _added_token(tool_grammar.END)
+    keep = (tool_grammar.END,) if end is not None else ()
+    text, regexes = tool_grammar.call_grammar(prompt.tools, prompt.forced, tool_grammar.is_xml(tok), end)
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    matcher = _matcher(grammar, keep)
+    error = matcher.get_error() if matcher.is_error() else next(filter(None, map(_pattern_error, regexes)), "")
+    if error:
+        raise APIError(400, f"'tools': the forced call cannot be held to the tools' schemas: {error}", param="tools")
+    req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), None, keep))
 
 
-def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]]) -> "GrammarProcessor":
+def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[int]] = None,
+                      keep: Tuple[str, ...] = ()) -> "GrammarProcessor":
+    """The processor of a grammar compiled here (how another rank rebuilds it); `keep`:
+    see _ll_tokenizer."""
+    return _processor(grammar, _matcher(grammar, keep), prompt_len, opens_after, keep)
+
+
+def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]],
+               keep: Tuple[str, ...] = ()) -> "GrammarProcessor":
     proc = GrammarProcessor(matcher, prompt_len, opens_after)
     # How another rank of a distributed server rebuilds it (distributed/wire.py).
-    proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after])
+    proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after, list(keep)])
     return proc
 
 

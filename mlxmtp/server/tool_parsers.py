@@ -91,7 +91,7 @@ def _properties(name: str, tools: Optional[List[dict]]) -> dict:
     return {}
 
 
-def _schema_type(schema: Any) -> str:
+def schema_type(schema: Any) -> str:
     """A parameter's JSON-schema type, lower case; "" when the schema names none (or is
     not an object: `true`, or whatever a client sent)."""
     kind = schema.get("type", "") if isinstance(schema, dict) else ""
@@ -100,8 +100,11 @@ def _schema_type(schema: Any) -> str:
     return str(kind).lower()
 
 
+RAW_TYPES = ("string", "str", "text", "enum", "")  # parameters _convert keeps as raw text (or may)
+
+
 def _convert(value: str, schema: Any) -> Any:
-    kind = _schema_type(schema)
+    kind = schema_type(schema)
     if kind in ("string", "str", "text", "enum"):
         return value
     if value.strip().lower() == "null":
