@@ -41,8 +41,9 @@ def functions(tools: List[dict]) -> List[tuple]:
     """[(name, parameters schema)] of the tools as the chat template lists them."""
     out = []
     for t in tools or []:
-        f = t.get("function", t)
-        params = f.get("parameters") if isinstance(f.get("parameters"), dict) else {"type": "object"}
+        f = t.get("function", t)  # OpenAI wraps in "function"; Anthropic names its schema input_schema
+        params = f.get("parameters", f.get("input_schema"))
+        params = params if isinstance(params, dict) else {"type": "object"}
         out.append((f["name"], params))
     return out
 
