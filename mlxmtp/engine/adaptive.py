@@ -171,9 +171,9 @@ class DepthPolicy(Policy):
         """Whether drafting goes on, whatever the mean estimates say, until the head's first
         drafts have been tried `learn_drafts` times for every class of the batch: before
         that, plain decoding would be chosen on the prior acceptance alone, and once chosen
-        it teaches nothing about acceptance (a noisy start-up calibration used to lock whole
-        runs into plain decoding where drafting made 1.4x). Only where a measured drafting
-        depth could beat plain decoding by the optimistic estimates (`bound`)."""
+        it teaches nothing about acceptance: one noisy cost measurement could then keep a
+        good head idle for a whole run (BENCHMARKS.md, cold start). Only where a measured
+        drafting depth could beat plain decoding by the optimistic estimates (`bound`)."""
         return (self._learning_depth(key, bound) is not None
                 and min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts)
 
