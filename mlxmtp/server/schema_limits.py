@@ -46,6 +46,20 @@ def subschemas(schema: dict) -> Iterator[dict]:
             yield from (v for v in value.values() if isinstance(v, dict))
 
 
+def map_subschemas(schema: dict, fn: Callable) -> dict:
+    """A copy of `schema` with `fn` applied to each schema it holds directly."""
+    out = {}
+    for key, value in schema.items():
+        if key in LISTS and isinstance(value, list):
+            value = [fn(v) for v in value]
+        elif key in MAPS and isinstance(value, dict):
+            value = {name: fn(v) for name, v in value.items()}
+        elif key in ONE:
+            value = fn(value)
+        out[key] = value
+    return out
+
+
 def patterns(schema: dict) -> List[str]:
     """The regular expressions `schema` itself holds (its own `pattern`, its
     `patternProperties` keys)."""

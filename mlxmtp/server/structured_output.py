@@ -111,18 +111,9 @@ def without_no_ops(schema):
     *named* uniqueItems stays."""
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for key, value in schema.items():
-        if (key, value) == ("uniqueItems", False) or (key == "propertyNames" and value in ({}, True, {"type": "string"})):
-            continue
-        if key in schema_limits.LISTS and isinstance(value, list):
-            value = [without_no_ops(v) for v in value]
-        elif key in schema_limits.MAPS and isinstance(value, dict):
-            value = {name: without_no_ops(v) for name, v in value.items()}
-        elif key in schema_limits.ONE:
-            value = without_no_ops(value)
-        out[key] = value
-    return out
+    kept = {key: value for key, value in schema.items() if not (
+        (key, value) == ("uniqueItems", False) or (key == "propertyNames" and value in ({}, True, {"type": "string"})))}
+    return schema_limits.map_subschemas(kept, without_no_ops)
 
 
 def grammar_for(schema: dict, where: str) -> str:

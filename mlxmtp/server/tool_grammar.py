@@ -95,14 +95,7 @@ def _closed(schema):
     weak model cannot fill a call with keys no tool reads (the demo wrote "": 1000...)."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key, value in schema.items():
-        if key in schema_limits.ONE and isinstance(value, dict):
-            out[key] = _closed(value)
-        elif key in schema_limits.LISTS and isinstance(value, list):
-            out[key] = [_closed(v) for v in value]
-        elif key in schema_limits.MAPS and isinstance(value, dict):
-            out[key] = {name: _closed(v) for name, v in value.items()}
+    out = schema_limits.map_subschemas(schema, _closed)
     if "properties" in schema and not {"additionalProperties", "patternProperties"} & set(schema):
         out["additionalProperties"] = False
     return out
