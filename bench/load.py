@@ -155,12 +155,7 @@ def poison_bodies(model: str) -> List[Tuple[str, str, Union[dict, bytes]]]:
         return {"model": model, "messages": msgs, "max_tokens": 8, "temperature": 0, "stream": True, **kw}
 
     nan = json.dumps(chat(temperature=12345)).replace("12345", "NaN").encode()
-    return [  # the first six are in every default run (~10% of 64)
-        ("a schema of 3000 $ref hops (it once overflowed the grammar compiler's stack)", "/v1/chat/completions",
-         chat(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": _ref_chain(3000)}})),
-        ("a pattern the grammar's lexer gives up on", "/v1/messages",
-         {"model": model, "max_tokens": 8, "temperature": 0, "stream": True, "messages": msgs, "output_config": {
-             "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(x{1000}){1000}$"}}}}),
+    return [  # the first six are in every default run (~10% of 64); --poison 9 sends every kind
         ("logit_bias key outside the vocabulary", "/v1/chat/completions", chat(logit_bias={"100000000": 5})),
         ("seed -1", "/v1/chat/completions", chat(seed=-1)),
         ("temperature NaN", "/v1/chat/completions", nan),
@@ -171,6 +166,11 @@ def poison_bodies(model: str) -> List[Tuple[str, str, Union[dict, bytes]]]:
          {"model": model, "prompt": [-1, 5], "max_tokens": 8, "temperature": 0, "stream": True}),
         ("top_k -5", "/v1/messages",
          {"model": model, "max_tokens": 8, "temperature": 0, "top_k": -5, "stream": True, "messages": msgs}),
+        ("a schema of 3000 $ref hops (it once overflowed the grammar compiler's stack)", "/v1/chat/completions",
+         chat(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": _ref_chain(3000)}})),
+        ("a pattern the grammar's lexer gives up on", "/v1/messages",
+         {"model": model, "max_tokens": 8, "temperature": 0, "stream": True, "messages": msgs, "output_config": {
+             "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "^(x{1000}){1000}$"}}}}),
     ]
 
 

@@ -149,23 +149,27 @@ def compile_schema(schema: dict, where: str):
     return grammar, matcher
 
 
-def _matcher(grammar: str, keep: Tuple[str, ...] = ()):
+def _matcher(grammar: str, keep: Tuple[str, ...] = (), limits=None):
     """A matcher of `grammar` for the served tokenizer (see _ll_tokenizer), compiled on a
-    large stack."""
+    large stack; `limits`: llguidance's LLParserLimits, or its defaults."""
     import llguidance  # on use, as above
 
     tokenizer = _ll_tokenizer(tuple(keep))
-    return schema_limits.on_large_stack(lambda: llguidance.LLMatcher(tokenizer, grammar))
+    return schema_limits.on_large_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, limits=limits))
 
 
 def _pattern_error(regex: str) -> str:
     """Why llguidance's lexer cannot hold JSON strings to `regex` ("" if it can). Its lexer
     builds a pattern's states when a string opens, not when the schema compiles: a pattern
     such as ^(x{1000}){1000}$ compiles, then fails at the first quote and would leave the
-    rest of the answer free. So each pattern is tried once, up to its opening quote."""
+    rest of the answer free. So each pattern is tried once, up to its opening quote, with a
+    fifth of the lexer's default fuel for building it: that one took 1.8 s and ~150 MB
+    before giving up with the defaults, 0.2 s and a few MB so; what passes here passes
+    under the defaults the answer is held with."""
     import llguidance  # on use, as above
 
-    matcher = _matcher(llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": regex}))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": regex})
+    matcher = _matcher(grammar, limits=llguidance.LLParserLimits(initial_lexer_fuel=200_000))
     quote = _MODEL["tok"].encode('"', add_special_tokens=False)
     _allowed(matcher, _MODEL["vocab_size"])  # where the lexer starts its work
     matcher.try_consume_tokens(quote)
