@@ -1,17 +1,20 @@
 """Concurrency benchmark: aggregate and per-request tokens/s, TTFT and inter-token
-latency (p50/p95) at concurrency 1, 4, 8, 16, MTP off vs on (adaptive), in ONE run.
+latency (p50/p95) at concurrency 1, 4, 8, 16, MTP off vs on (adaptive) and, with
+`--depths`, fixed draft depths, in ONE run.
 
 Requests are driven through the same BatchGenerator the server runs; all arrive at
 once. As the server does, the depth policy's costs are calibrated for one row before
 anything is timed; other batch sizes learn theirs while they decode. Each round runs MTP
 off and on back to back (in alternating order); the table gives medians over rounds and
-the range of the per-round ratio. Only ratios between settings of the same run are
-meaningful.
+the range of the per-round ratio to MTP off; with `--depths`, "on/best" is adaptive's
+throughput over the best other setting's (MTP off or a fixed depth) of the same round. Only ratios
+between settings of the same run are meaningful.
 
 Then, for the latency of several agents at once: the longest gap in a running stream
 while 1, 3 or 7 requests join it (their prefills run between its cycles).
 
     python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16] [--rounds 3] [--temp 0.6]
+    python bench/batch.py --concurrency 4,8 --depths 1,2,3 --rounds 4 --no-joins
 
 `--temp`: every request samples at that temperature (seeded: the same tokens on both sides).
 """
@@ -40,8 +43,8 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def run(model, tok, n, max_tokens, mtp, temp=0.0):
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, max_batch=max(n, 1))
+def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None):
+    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=num_draft, max_batch=max(n, 1))
     t0 = time.perf_counter()
     first, last, gaps, counts = {}, {}, [], {}
     ids = []
@@ -108,6 +111,8 @@ def main():
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature of every request")
+    ap.add_argument("--depths", default="", help="fixed draft depths to run beside MTP off and adaptive, e.g. 1,2,3")
+    ap.add_argument("--no-joins", action="store_true", help="skip the join-latency part")
     args = ap.parse_args()
     model, tok = load(args.model)
     BatchGenerator(model, tok).calibrate(1)  # what the server does at start-up
@@ -116,22 +121,39 @@ def main():
           f"rounds={args.rounds} (medians)")
     print(f"{'conc':>4} {'MTP':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50 ms':>10} "
           f"{'p95':>7} {'accept':>7} {'batch':>6} {'on/off':>7} {'range':>10}")
+    settings = {"off": (False, None), "on": (True, None)}
+    settings.update({f"k={k}": (True, int(k)) for k in args.depths.split(",") if k})
     for n in [int(x) for x in args.concurrency.split(",")]:
-        res = {"off": [], "on": []}
+        res = {name: [] for name in settings}
         for r in range(args.rounds):
-            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                res[name].append(run(model, tok, n, args.max_tokens, name == "on", args.temp))
-        ratios = [on["agg_tps"] / off["agg_tps"] for on, off in zip(res["on"], res["off"])]
-        for name, rs in res.items():
-            m = {key: statistics.median(r[key] for r in rs) for key in rs[0]}
-            ratio = f"{statistics.median(ratios):.2f}x" if name == "on" else ""
-            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if name == "on" else ""
-            print(f"{n:4} {name:>4} {m['agg_tps']:10.1f} {m['req_tps']:10.1f} {m['ttft_p50']:9.3f} {m['ttft_p95']:7.3f} "
-                  f"{m['itl_p50'] * 1e3:10.1f} {m['itl_p95'] * 1e3:7.1f} {m['acceptance']:7.2f} {m['mean_batch']:6.1f} "
-                  f"{ratio:>7} {spread:>10}")
+            order = list(settings) if r % 2 == 0 else list(reversed(settings))
+            for name in order:
+                mtp, k = settings[name]
+                res[name].append(run(model, tok, n, args.max_tokens, mtp, args.temp, k))
+        _print_rows(n, res)
+    if args.no_joins:
+        return
     for joiners in (1, 3, 7):
         longest, median = join_gaps(model, tok, joiners, 2 * args.max_tokens)
         print(f"a running stream while {joiners} request(s) join: longest gap {longest:.2f} s, median {median * 1e3:.0f} ms")
+
+
+def _print_rows(n, res):
+    """One line per setting: medians over rounds, and each setting's ratio to MTP off (and
+    adaptive's to the best other setting of its round) as median and range over rounds."""
+    for name, rs in res.items():
+        m = {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        ratio = spread = ""
+        if name != "off":
+            ratios = [x["agg_tps"] / off["agg_tps"] for x, off in zip(rs, res["off"])]
+            ratio, spread = f"{statistics.median(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}"
+        print(f"{n:4} {name:>4} {m['agg_tps']:10.1f} {m['req_tps']:10.1f} {m['ttft_p50']:9.3f} {m['ttft_p95']:7.3f} "
+              f"{m['itl_p50'] * 1e3:10.1f} {m['itl_p95'] * 1e3:7.1f} {m['acceptance']:7.2f} {m['mean_batch']:6.1f} "
+              f"{ratio:>7} {spread:>10}")
+    if len(res) > 2:
+        best = [max(res[name][r]["agg_tps"] for name in res if name != "on") for r in range(len(res["on"]))]
+        vs_best = [on["agg_tps"] / b for on, b in zip(res["on"], best)]
+        print(f"{n:4} on/best {statistics.median(vs_best):.2f}x (range {min(vs_best):.2f}-{max(vs_best):.2f})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ numbers that carry over to two machines are the bytes and counts per cycle.
 
     python bench/distributed.py                    # demo model, 2 ranks on loopback
     python bench/distributed.py --model PATH --max-tokens 64 --markdown
-    python bench/distributed.py --on-paper         # the README's two-Mac-Studio table
+    python bench/distributed.py --on-paper         # the two-Mac-Studio table of docs/across-machines.md
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def report(one, two, markdown):
           f"{two['hidden'] * two['itemsize']}*T bytes rank to rank, then all-gathers them")
 
 
-# The README's on-paper case: Qwen3.5-397B-A17B at 8 bits on two M3 Ultra Mac Studios.
+# The on-paper case of docs/across-machines.md: Qwen3.5-397B-A17B at 8 bits on two M3 Ultra Mac Studios.
 PAPER = dict(active_gb=18.0, bandwidth_gbs=819.0, efficiency=0.7, hidden=4096, act_bytes=2,
              routed_share=7.5 / 17, draft_step=0.075, first_accept=0.85, next_accept=0.8,
              link_gbs=10.0, latency_us={"JACCL": 10.0, "ring": 100.0}, collectives=3, control_bytes=100,
@@ -212,7 +212,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=3, help="counted prompts (one more warms up)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--on-paper", action="store_true", help="print the README's two-machine estimate and exit")
+    ap.add_argument("--on-paper", action="store_true", help="print the two-machine estimate of docs/across-machines.md and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.on_paper:

@@ -6,12 +6,16 @@ mlx-lm's own `stream_generate` on the same model object and prompt. Every run ge
 exactly `-g` tokens (EOS is ignored, as mlx_lm.benchmark does). Reported per setting:
 time to first token, prompt tokens/s (prompt / TTFT), generation tokens/s (after the
 first token), its ratio to mlx-lm's, MTP acceptance by draft position, tokens per
-forward, depths used and peak memory; medians over `-n` trials.
+forward, depths used and peak memory; medians over `--rounds` rounds (3 by default), with
+the range (min-max) of each ratio over them.
 
 The prompt is code (the demo model's held-out prompts, repeated and cut to length): on
-random tokens no drafter is accepted. Settings run one after another within a trial, in
-reversed order on odd trials; on a machine whose speed drifts (shared hosts) compare
-ratios and use more trials. bench/decode.py is the finer, interleaved measurement.
+random tokens no drafter is accepted. The rounds are interleaved: every setting runs once
+per round, one after another, in reversed order on odd rounds, and a setting's ratio to
+mlx-lm is taken within each round (neighbours in time), so a machine whose speed drifts
+shifts a round as a whole. A line per run goes to stderr as it ends; a ratio whose range
+is wider than SPREAD_LIMIT (max / min) is reported as untrustworthy: the machine was busy
+or noisy. bench/decode.py is the finer measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ import click
 
 from .engine.limits import MAX_DRAFT_DEPTH
 from .models.demo_prompts import HELD_OUT_PROMPTS
+
+# A ratio whose largest value over the rounds exceeds its smallest by more than this is not
+# to be trusted: on a quiet machine the rounds of the demo model agree within a few percent.
+SPREAD_LIMIT = 1.15
+NOISY = "the machine is busy or noisy; rerun with more --rounds (or on a quieter machine)"
 
 
 def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> List[int]:
@@ -105,11 +114,29 @@ def _one(model, tok, ids, gen, temp, setting) -> dict:
     return res
 
 
-def _summary(label: str, runs: List[dict], ref_tps: Optional[float]) -> dict:
-    """Medians over trials (acceptance: the mean by position, depths: summed)."""
+def _range(values: List[float]) -> List[float]:
+    return [min(values), max(values)]
+
+
+def _spread(values: List[float]) -> Optional[float]:
+    """max / min (1.0: the values agree; None: one of them is 0)."""
+    return max(values) / min(values) if min(values) > 0 else None
+
+
+def _summary(label: str, runs: List[dict], ref_runs: Optional[List[dict]]) -> dict:
+    """Medians over rounds (acceptance: the mean by position, depths: summed); the ratio to
+    mlx-lm taken within each round (`ref_runs`: mlx-lm's runs, round by round), its median
+    and range, and the spread (max / min) of that ratio, or of the tokens/s (mlx-lm's own
+    row, and every row without mlx-lm)."""
     med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "prompt_tps", "generation_tps", "peak_mib")}
+    tps = [r["generation_tps"] for r in runs]
+    ratios = ([r["generation_tps"] / ref["generation_tps"] if ref["generation_tps"] > 0 else 0.0
+               for r, ref in zip(runs, ref_runs)] if ref_runs else None)
     out = {"setting": label, **med, "generated_tokens": runs[0]["generated_tokens"],
-           "vs_mlx_lm": med["generation_tps"] / ref_tps if ref_tps else None}
+           "vs_mlx_lm": statistics.median(ratios) if ratios else None,
+           "vs_mlx_lm_range": _range(ratios) if ratios else None,
+           "generation_tps_range": _range(tps),
+           "spread": _spread(ratios if ratios and label != "mlx-lm" else tps)}
     if runs[0].get("acceptance_by_position") is not None:
         by = [r["acceptance_by_position"] for r in runs]
         out["acceptance_by_position"] = [statistics.mean(a[i] for a in by if len(a) > i)
@@ -124,14 +151,16 @@ def _summary(label: str, runs: List[dict], ref_tps: Optional[float]) -> dict:
 
 
 def _table(result: dict) -> str:
-    cols = ["setting", "TTFT s", "prompt tok/s", "gen tok/s", "vs mlx-lm", "acceptance by position", "tok/fwd",
-            "peak MiB"]
+    cols = ["setting", "TTFT s", "prompt tok/s", "gen tok/s", "vs mlx-lm (range)", "acceptance by position",
+            "tok/fwd", "peak MiB"]
     rows = []
     for s in result["settings"]:
         label = s["setting"] + (" (depths " + ", ".join(f"{d}:{n}" for d, n in sorted(s["depths"].items())) + ")"
                                 if s["setting"] == "adaptive" else "")
-        rows.append([label, f"{s['ttft_s']:.3f}", f"{s['prompt_tps']:.1f}", f"{s['generation_tps']:.1f}",
-                     f"{s['vs_mlx_lm']:.2f}x" if s["vs_mlx_lm"] else "",
+        low, high = s["vs_mlx_lm_range"] or (None, None)
+        ratio = (f"{s['vs_mlx_lm']:.2f}x" + (f" ({low:.2f}-{high:.2f})" if high != low else "")
+                 if s["vs_mlx_lm"] else "")
+        rows.append([label, f"{s['ttft_s']:.3f}", f"{s['prompt_tps']:.1f}", f"{s['generation_tps']:.1f}", ratio,
                      " ".join(f"{a:.2f}" for a in s.get("acceptance_by_position") or []),
                      f"{s['tokens_per_forward']:.2f}" if s.get("tokens_per_forward") else "", f"{s['peak_mib']:.0f}"])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
@@ -141,7 +170,7 @@ def _table(result: dict) -> str:
 
 
 @click.command()
-@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model).")
+@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model, mlxmtp-demo).")
 @click.option("--prompt-tokens", "-p", default="128,1024", show_default=True,
               help="Prompt lengths, comma-separated.")
 @click.option("--generation-tokens", "-g", default=128, show_default=True, type=click.IntRange(min=2),
@@ -149,11 +178,16 @@ def _table(result: dict) -> str:
 @click.option("--depths", default="1,2,3", show_default=True,
               help=f"Fixed draft depths to run besides MTP off and adaptive (1-{MAX_DRAFT_DEPTH}; '' for none).")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--num-trials", "-n", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--rounds", "--num-trials", "-n", "rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Interleaved rounds: every setting once per round, ratios to mlx-lm taken within a round; "
+                   "medians and ranges over the rounds. A range wider than "
+                   f"{SPREAD_LIMIT:.2f}x (max / min) is reported as untrustworthy.")
 @click.option("--no-mlx-lm", is_flag=True, help="Leave out mlx-lm's stream_generate.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the progress bar goes to stderr).")
-def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_mlx_lm, as_json):
-    """Decode speed: MTP off vs adaptive vs fixed depths vs mlx-lm, per prompt length."""
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (the progress lines and bar go to stderr).")
+def bench(model, prompt_tokens, generation_tokens, depths, temp, rounds, no_mlx_lm, as_json):
+    """Decode speed: MTP off vs adaptive vs fixed depths vs mlx-lm, per prompt length, over
+    interleaved rounds (a line per run on stderr as it ends)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from tqdm import tqdm
 
@@ -171,30 +205,66 @@ def bench(model, prompt_tokens, generation_tokens, depths, temp, num_trials, no_
     settings = [("mlx-lm", None)] * (not no_mlx_lm) + [("MTP off", 0)]
     if m.active:
         settings += [("adaptive", "adaptive")] + [(f"k={k}", k) for k in fixed]
-    runs = len(lengths) * len(settings) * (num_trials + 1)
+    runs = len(lengths) * len(settings) * (rounds + 1)
     report = {"model": model or "mlxmtp-demo", "mtp_active": bool(m.active),
               "mtp_disabled_reason": m.disabled_reason, "generation_tokens": generation_tokens,
-              "temperature": temp, "num_trials": num_trials, "results": []}
+              "temperature": temp, "num_trials": rounds, "rounds": rounds, "spread_limit": SPREAD_LIMIT,
+              "results": [], "warnings": []}
     with tqdm(total=runs, desc="mlxmtp bench", file=sys.stderr, disable=None) as bar:
         for n in lengths:
-            ids = prompt_ids(tok, n)
-            results: Dict[str, List[dict]] = {label: [] for label, _ in settings}
-            for _, setting in settings:  # warm-up: compiles, and the adaptive policy's calibration
-                _one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting)
-                bar.update()
-            for trial in range(num_trials):
-                for label, setting in (settings if trial % 2 == 0 else settings[::-1]):
-                    bar.set_postfix_str(f"prompt {n}, {label}")
-                    results[label].append(_one(m, tok, ids, generation_tokens, temp, setting))
-                    bar.update()
-            ref = statistics.median(r["generation_tps"] for r in results["mlx-lm"]) if not no_mlx_lm else None
-            report["results"].append({"prompt_tokens": n, "settings": [
-                _summary(label, results[label], ref) for label, _ in settings]})
+            summaries = _rounds_at(m, tok, n, settings, generation_tokens, temp, rounds, no_mlx_lm, bar)
+            report["results"].append({"prompt_tokens": n, "settings": summaries})
+            report["warnings"] += _noisy(n, summaries, rounds, no_mlx_lm)
+    for line in report["warnings"]:
+        click.echo(f"warning: {line}", err=True)
+    if report["warnings"]:
+        click.echo(f"warning: {NOISY}", err=True)
     if as_json:
         click.echo(json.dumps(report))
         return
     head = f"model: {report['model']}   MTP head: " + ("active" if m.active else f"inactive ({m.disabled_reason})")
-    click.echo(f"{head}   generation: {generation_tokens} tokens   temp: {temp}   trials: {num_trials} (medians)")
+    click.echo(f"{head}   generation: {generation_tokens} tokens   temp: {temp}   rounds: {rounds} "
+               "(medians; ranges min-max over the rounds)")
     for result in report["results"]:
         click.echo(f"\nprompt: {result['prompt_tokens']} tokens")
         click.echo(_table(result))
+    if report["warnings"]:
+        click.echo(f"\nRanges wider than {SPREAD_LIMIT:.2f}x (max / min) over the rounds: {NOISY}.")
+
+
+def _rounds_at(m, tok, n: int, settings: list, generation_tokens: int, temp: float, rounds: int,
+               no_mlx_lm: bool, bar) -> List[dict]:
+    """Each setting's summary at prompt length `n`: a warm-up run each (compiles, and the
+    adaptive policy's calibration), then `rounds` interleaved rounds, a stderr line per run."""
+    from tqdm import tqdm  # on use, as in bench
+
+    ids = prompt_ids(tok, n)
+    results: Dict[str, List[dict]] = {label: [] for label, _ in settings}
+    for _, setting in settings:
+        _one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting)
+        bar.update()
+    for r in range(rounds):
+        for label, setting in (settings if r % 2 == 0 else settings[::-1]):
+            bar.set_postfix_str(f"prompt {n}, {label}")
+            res = _one(m, tok, ids, generation_tokens, temp, setting)
+            results[label].append(res)
+            bar.update()
+            tqdm.write(f"prompt {n}  round {r + 1}/{rounds}  {label:<8}  {res['generation_tps']:8.1f} tok/s  "
+                       f"TTFT {res['ttft_s']:.3f} s", file=sys.stderr)
+    ref_runs = None if no_mlx_lm else results["mlx-lm"]
+    return [_summary(label, results[label], ref_runs) for label, _ in settings]
+
+
+def _noisy(n: int, summaries: List[dict], rounds: int, no_mlx_lm: bool) -> List[str]:
+    """A line for each setting whose ratio to mlx-lm (its tokens/s without mlx-lm) spread
+    wider than SPREAD_LIMIT over the rounds."""
+    lines = []
+    for s in summaries:
+        if rounds < 2 or s["spread"] is None or s["spread"] <= SPREAD_LIMIT or (
+                s["setting"] == "mlx-lm" and not no_mlx_lm):
+            continue
+        what, (low, high) = (("tokens/s", s["generation_tps_range"]) if no_mlx_lm
+                             else ("ratio to mlx-lm", s["vs_mlx_lm_range"]))
+        lines.append(f"prompt {n}, {s['setting']}: its {what} ranged {low:.2f}-{high:.2f} over {rounds} rounds "
+                     f"(max / min {s['spread']:.2f} > {SPREAD_LIMIT:.2f})")
+    return lines

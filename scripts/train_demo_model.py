@@ -313,6 +313,10 @@ def check_parallel_gdn() -> float:
 # Export / verification
 # ---------------------------------------------------------------------------
 
+# What the shipped head's mtp/config.json names as its source: the export's own path would
+# be a folder on the machine that trained it.
+HEAD_SOURCE = "scripts/train_demo_model.py (its float16 HF export)"
+
 HF_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
             ".q_norm.weight", ".k_norm.weight")
 
@@ -666,7 +670,11 @@ def cmd_package(args) -> None:
 
     hf, dest = Path(args.hf), Path(args.dest)
     hf16 = half_precision_copy(hf, Path(str(hf) + "-float16"))
+    # The model card is written by hand; the conversion replaces the folder (and writes mlx-lm's card).
+    card = (dest / "README.md").read_text() if (dest / "README.md").exists() else None
     write_mlx_conversion(hf16, dest, dtype="float16")
+    if card is not None:
+        (dest / "README.md").write_text(card)
     cmd = [sys.executable, "-m", "mlxmtp.cli", "add-mtp-weights", "--model", str(dest), "--source", str(hf16),
            "--bits", "16"]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -683,11 +691,18 @@ def cmd_package(args) -> None:
 
         weights, info = hf_head.convert_hf_head(hf_head.load_mtp_tensors(hf16))
         weights = {k: v.astype(mx.float16) for k, v in weights.items()}
-        config = mtp_folder.make_head_config(source=str(hf16), family="qwen3_5", info=info, quantization=None,
+        config = mtp_folder.make_head_config(source=HEAD_SOURCE, family="qwen3_5", info=info, quantization=None,
                                              dtype="float16")
         mtp_folder.write_mtp_folder(dest, config, weights, force=True)
+    head_config = json.loads((dest / "mtp" / "config.json").read_text())
+    (dest / "mtp" / "config.json").write_text(json.dumps({**head_config, "source": HEAD_SOURCE}, indent=2) + "\n")
     meta = json.loads((hf / "training.json").read_text())
     (dest / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    # The shipped files name no folder of the machine that built them.
+    for f in dest.rglob("*"):
+        if f.is_file() and f.suffix in (".json", ".md", ".jinja"):
+            text = f.read_text()
+            assert str(hf) not in text and str(hf.resolve()) not in text, f"{f} names {hf}"
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     print(f"packaged {dest}: {size / 1e6:.2f} MB")
 

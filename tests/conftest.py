@@ -77,3 +77,11 @@ def ant(server):
     import anthropic
 
     return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one worker per core, at most four, as each worker holds its
+    own MLX runtime, fixture models and servers in memory (`-n 0` runs in one process)."""
+    import os
+
+    return max(1, min(4, os.cpu_count() or 1))

@@ -50,6 +50,7 @@ def adapted(request, fixture_model, tmp_path_factory):
     return path, adapters, model, tok, ref
 
 
+@pytest.mark.slow
 def test_adapted_greedy_output_is_mlx_lm_s_at_every_depth(adapted):
     path, _, model, tok, ref = adapted
     prompt = prompt_of(29, seed=3)

@@ -81,6 +81,7 @@ def _head_inputs(parts, seed=0, B=4, T=64):
     return tokens, hidden
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,bits", CASES)
 def test_repair_family(tmp_path, fixture_models, name, bits):
     hf = fixture_models[name]["hf"]
@@ -380,3 +381,36 @@ def test_mtp_folder_is_readable_like_the_model_files(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "mtp").stat().st_mode & 0o777 == 0o755
+
+
+def test_the_demo_repairs_a_quantized_copy_of_itself_offline(tmp_path, monkeypatch):
+    """`--source mlxmtp-demo`: the demo's own head in HF layout, exported from the package
+    (no network: the Hub is switched off here). A float16 copy gets the shipped head back
+    bit for bit; a 4-bit conversion (mlx_lm.convert -q drops mtp.*) a 4-bit head that loads."""
+    import huggingface_hub.constants as hfc
+
+    from mlxmtp.models import demo
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", True)
+    copy = _copy(demo.PACKAGED, tmp_path / "demo-float16")
+    shutil.rmtree(copy / "mtp")
+    _repair(copy, "mlxmtp-demo", "--bits", "16")
+    cfg, weights = mtp_folder.read_mtp_folder(copy)
+    shipped_cfg, shipped = mtp_folder.read_mtp_folder(demo.PACKAGED)
+    assert cfg["source"] == "mlxmtp-demo" and cfg["dtype"] == shipped_cfg["dtype"] == "float16"
+    assert sorted(weights) == sorted(shipped)
+    assert all(mx.array_equal(weights[k], shipped[k]).item() and weights[k].dtype == shipped[k].dtype
+               for k in shipped)
+
+    q4 = fx.write_mlx_conversion(demo.PACKAGED, tmp_path / "demo-4bit", bits=4)
+    assert L.locate_head(q4) is None
+    res = _repair(q4, "mlxmtp-demo")
+    assert "source:  mlxmtp-demo ->" in res.output and "4-bit" in res.output
+    cfg, _ = mtp_folder.read_mtp_folder(q4)
+    assert cfg["quantization"]["bits"] == 4 and cfg["source"] == "mlxmtp-demo"
+    model, _ = L.load(str(q4), mtp=True)
+    assert model.active and model.source.location == "mtp_folder"
+    assert not list(tmp_path.glob(".mtp-*"))
+    res = _run("--model", tmp_path / "demo-float16", "--source", "mlxmtp-demo", "--revision", "main", "--force")
+    assert res.exit_code != 0 and "--revision applies to a Hugging Face repo id only" in res.output

@@ -321,6 +321,7 @@ def test_tiny_temperatures_are_greedy_and_small_ones_are_not():
     assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=0.7, top_p=1e-5).greedy
 
 
+@pytest.mark.slow
 def test_a_huge_body_being_prepared_holds_up_no_other_request(start_server, monkeypatch):
     # A multi-MiB prompt takes seconds to parse and tokenize (and is then refused as too
     # long); requests behind it are prepared in the other lane meanwhile. Its preparation is

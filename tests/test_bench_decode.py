@@ -202,6 +202,7 @@ def test_graph_ops_bench_counts_sampled_batches(fixture_model):
     assert tempered < seeded < filtered
 
 
+@pytest.mark.slow
 def test_structured_output_bench_holds_every_side_to_the_same_tokens(fixture_model):
     """bench/structured_output.py: mlx-lm's held decoding and every mlxmtp side decode the
     same held tokens (the ratios compare equal work)."""

@@ -16,6 +16,7 @@ from mlxmtp.engine.request import Request
 from mlxmtp.models.load import load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size,pipelined", [(1, False), (3, True)])
 def test_measured_costs_cover_every_depth(fixture_model, batch_size, pipelined):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))

@@ -75,8 +75,23 @@ def test_a_repo_that_cannot_be_fetched_is_one_line(command):
     assert res.exit_code == 1, res.output
     assert res.output.strip().splitlines() == [
         "Error: cannot fetch Qwen/Qwen3-Next-80B-A3B-Instruct from Hugging Face, and it is not in the local cache "
-        "(An error happened while trying to locate the files on the Hub.); nor is it a folder here"]
+        "(An error happened while trying to locate the files on the Hub.); nor is it a folder here. Check the "
+        "network, or fetch it first with `hf download Qwen/Qwen3-Next-80B-A3B-Instruct`"]
     run.assert_not_called()
+
+
+@pytest.mark.parametrize("command", ["generate", "inspect"])
+def test_a_repo_not_cached_in_offline_mode_says_how_to_fetch_it(command, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hfc
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hfc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hfc, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    res = CliRunner().invoke(main, [*COMMANDS[command], "fake-org/not-cached"])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "cannot fetch fake-org/not-cached from Hugging Face, and it is not in the local cache" in res.output
+    assert ("Hugging Face's offline mode is on (HF_HUB_OFFLINE): fetch it once with `hf download "
+            "fake-org/not-cached` with the variable unset") in res.output
 
 
 @pytest.fixture(scope="module")

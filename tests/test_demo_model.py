@@ -112,3 +112,54 @@ def test_drafter_uses_a_float32_vocabulary_copy_on_the_cpu(demo_model):
     ids = mx.array([[1, 2, 3]])
     assert mx.allclose(vocab.lm_head(h), parts.lm_head(h.astype(mx.float16)).astype(mx.float32), atol=0.05, rtol=0.01)
     assert mx.array_equal(vocab.embed_tokens(ids), parts.embed_tokens(ids).astype(mx.float32))
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_the_shipped_files_name_no_folder_of_the_machine_that_built_them():
+    import json
+    import os
+
+    for f in sorted(demo.PACKAGED.rglob("*.json")):
+        if f.name == "tokenizer.json":  # its strings are tokens ("/", "//", ...)
+            continue
+        strings = list(_strings(json.loads(f.read_text())))
+        assert "_name_or_path" not in strings, f
+        assert not [s for s in strings if os.path.isabs(s) or s.startswith("~")], f
+    text = "".join(f.read_text() for f in demo.PACKAGED.rglob("*") if f.suffix in (".json", ".md", ".jinja"))
+    assert "/work/" not in text and "/home/" not in text and "/Users/" not in text
+
+
+def test_packaging_keeps_the_model_card_and_writes_no_build_folder(tmp_path):
+    """scripts/train_demo_model.py's `package` step, on a tiny HF checkpoint standing in for
+    the trained export: the hand-written card survives, the head names no build folder."""
+    import importlib.util
+    import json
+    from argparse import Namespace
+
+    from mlxmtp.testing.fixtures import write_hf_checkpoint
+
+    spec = importlib.util.spec_from_file_location(
+        "train_demo_model", Path(__file__).resolve().parent.parent / "scripts" / "train_demo_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    hf = write_hf_checkpoint(tmp_path / "export", "qwen3_5", num_shards=2)
+    (hf / "training.json").write_text("{}")
+    dest = tmp_path / "demo_model"
+    dest.mkdir()
+    (dest / "README.md").write_text("# the model card\n")
+    script.cmd_package(Namespace(hf=str(hf), dest=str(dest)))
+    assert (dest / "README.md").read_text() == "# the model card\n"
+    assert json.loads((dest / "mtp" / "config.json").read_text())["source"] == script.HEAD_SOURCE
+    for f in dest.rglob("*.json"):
+        assert str(tmp_path) not in f.read_text(), f

@@ -147,6 +147,7 @@ def _drafts_recorder(seen):
     return hook
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, None])
 def test_greedy_output_is_unchanged(fixture_model, corpus, tmp_path, k, quantized_with_list):
     hf = fixture_model("qwen3_5")["hf"]
@@ -170,6 +171,7 @@ def test_greedy_output_is_unchanged(fixture_model, corpus, tmp_path, k, quantize
         assert seen and seen <= set(allowed)  # the head only drafted listed tokens
 
 
+@pytest.mark.slow
 def test_rejection_sampler_with_q_zero_outside_the_list():
     """min(1, p/q) at the drafted token and the residual max(p - q, 0) with q = 0 (-inf log)
     outside the list: the first emitted token still follows p."""
@@ -209,6 +211,7 @@ def _samples(model, tok, *, enable_mtp, n, seed0, seen=None):
     return list(outs.values()), kept
 
 
+@pytest.mark.slow
 def test_sampling_with_a_trimmed_draft_matches_plain_sampling(tmp_path):
     """The chi-square pattern of test_sampling_exact, one draft position, q trimmed to 24 of 64."""
     path = write_hf_checkpoint(tmp_path / "m", "qwen3_5", vocab_size=64)
@@ -228,6 +231,7 @@ def test_sampling_with_a_trimmed_draft_matches_plain_sampling(tmp_path):
         assert stat < chi2_quantile(dof), (pos, stat, dof)
 
 
+@pytest.mark.slow
 def test_generate_and_serve_options(fixture_model, corpus, tmp_path):
     hf = str(fixture_model("qwen3_5")["hf"])
     make_list(hf, corpus, tmp_path / "l.json")

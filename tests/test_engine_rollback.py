@@ -33,6 +33,7 @@ def assert_caches_equal(engine_cache, ref_cache, row=0):
                 np.testing.assert_allclose(np.array(a[row : row + 1]), np.array(b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_6_moe"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("mode", ["sliced", "shape_stable", "pipelined"])

@@ -117,6 +117,7 @@ def _spy_rollbacks(monkeypatch):
     return ways
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_ops_path_rolls_back_by_selecting_recorded_states(fixture_model, monkeypatch, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
@@ -127,6 +128,7 @@ def test_ops_path_rolls_back_by_selecting_recorded_states(fixture_model, monkeyp
     assert ways["select"] > 0 and ways["replay"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_fused_kernel_path_rolls_back_by_replay(fixture_model, monkeypatch, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))

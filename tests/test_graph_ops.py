@@ -65,6 +65,7 @@ def engine_ops_per_token(engine, model, tok, prompt):
     return ops.kernels / TOKENS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_plain_decoding_evaluates_no_more_than_mlx_lm(fixture_model, family):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
@@ -125,6 +126,7 @@ def test_verify_evaluates_what_mlx_lm_forward_does(fixture_model, family, shape_
             c.trim_rows([T])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 3])
 def test_a_thinking_budget_far_from_reached_costs_nothing(fixture_model, k):
     # Every Claude Code request carries a thinking budget: a processor that leaves logits

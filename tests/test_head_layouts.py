@@ -72,6 +72,7 @@ def test_a_head_an_mlx_conversion_kept_in_an_indexed_shard(tmp_path):
     _assert_same_params(model.head, demo.head)
 
 
+@pytest.mark.slow
 def test_a_quantized_sidecar_with_raw_norms_beside_an_index(tmp_path):
     """An MTPLX-style `mtp.safetensors` the index does not list: HF names, norms not
     shifted, linear layers MLX-quantized at 4 bits and the fc at 8."""

@@ -98,6 +98,7 @@ def test_running_rows_take_memory_back_from_the_prefix_cache(fixture_model):
     assert not [key for key in eng.prefix_cache.entries if key[:40] == tuple(a.prompt)]  # a's gave way
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,split", [("plain", False), ("mtp", False), ("pipelined", False), ("adaptive", False),
                                         ("plain", True), ("mtp", True)])
 def test_a_batch_that_outgrows_its_budget_sends_its_newest_row_back(fixture_model, monkeypatch, mode, split):
@@ -133,6 +134,7 @@ def test_a_batch_that_outgrows_its_budget_sends_its_newest_row_back(fixture_mode
     assert not split or any(g is not None for g in grouped)
 
 
+@pytest.mark.slow
 def test_a_lone_row_starts_and_is_never_sent_back(fixture_model):
     """With nothing else running a row starts and goes on even past the budget (the
     server's context length keeps it within)."""
@@ -194,6 +196,7 @@ def test_rows_left_behind_give_back_the_capacity_of_a_longer_one():
     assert c.keys.shape[2] == RaggedKVCache.step and mx.array_equal(c.keys[0, :, :30], k[1, :, :30])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape_stable", [False, True], ids=["sliced", "shape-stable"])
 def test_a_long_row_that_leaves_takes_its_capacity_with_it(fixture_model, monkeypatch, shape_stable):
     """A long prompt and a short one run together; once the long one has finished, two more

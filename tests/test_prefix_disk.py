@@ -189,6 +189,7 @@ def test_attach_refuses_what_it_cannot_serve(fixture_model, tmp_path):
         prefix_disk.attach(eng, tmp_path, 1 << 20)
 
 
+@pytest.mark.slow
 def test_a_restarted_server_answers_from_the_states_it_saved(fixture_model, tmp_path):
     """`mlxmtp serve --prefix-cache-dir`: three conversations on one system prompt (the
     second stores the state after it); SIGTERM writes it to disk, and the next server reads
@@ -240,6 +241,7 @@ def test_serve_refuses_a_folder_it_cannot_use(tmp_path):
     assert r.exit_code == 2 and "--prefix-cache-dir" in r.output
 
 
+@pytest.mark.slow
 def test_the_bench_times_all_three_ways_to_the_same_first_token():
     """bench/prefix_disk.py, tiny: one round of a 300-token prompt on the demo model, and a
     Qwen3.5-27B-sized state of 16 tokens written and read back."""
@@ -466,6 +468,7 @@ def _forged(state, change: str):
     return dataclasses.replace(state, cache=cache, head_cache=head, pend_h=pend_h, last_logits=logits)
 
 
+@pytest.mark.slow
 def test_a_state_of_other_shapes_is_a_miss_and_deleted(fixture_model, tmp_path):
     """A state whose arrays are not of the model's shapes and dtypes, with an index that
     agrees with them (its checksums too): a miss (counted), deleted, and the answer a

@@ -64,6 +64,7 @@ ARMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", list(SETTINGS))
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_a_seeded_request_gives_the_same_text_at_every_depth_and_in_any_batch(fixture_model, family, settings):
@@ -81,6 +82,7 @@ def test_a_seeded_request_gives_the_same_text_at_every_depth_and_in_any_batch(fi
     assert _run(model, tok, [_mine(settings, seed=12)], enable_mtp=False)[0] != plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(num_draft=3), dict(num_draft=2, pipeline_drafts=True)],
                          ids=["k=3", "pipelined k=2"])
 def test_a_seeded_request_sent_back_to_wait_for_memory_resumes_the_same_text(fixture_model, monkeypatch, options):
@@ -101,6 +103,7 @@ def test_a_seeded_request_sent_back_to_wait_for_memory_resumes_the_same_text(fix
     assert eng.memory.preempted == 1
 
 
+@pytest.mark.slow
 def test_the_demo_model_too_and_a_seed_without_reproducible_draws_differs_by_depth():
     """On the trained demo model (float16, drafts mostly right); and the engine-level
     seed without `reproducible` (repeatable draws only) gives other text at another depth,
@@ -118,6 +121,7 @@ def test_the_demo_model_too_and_a_seed_without_reproducible_draws_differs_by_dep
     assert free[0] != free[3]
 
 
+@pytest.mark.slow
 def test_seeded_tokens_are_samples_of_the_model_s_distribution(fixture_model):
     """Over many seeds, the first tokens of reproducible requests drafted at k = 3 follow
     the same distribution as plain sampling without seeds (two-sample chi-square at 99.9%,

@@ -126,6 +126,7 @@ def test_stream_helper_assembles_the_final_text(oai):
 
 
 # ------------------------------------------------------------------ tools
+@pytest.mark.slow
 def test_tool_call_round_trip(server, oai):
     r = create(oai, "FORCE:call weather?", tools=TOOLS, max_output_tokens=200, parallel_tool_calls=True,
                tool_choice="auto", store=False, include=["reasoning.encrypted_content"])
@@ -201,6 +202,7 @@ def test_raw_tool_call_events(server):
     assert events[-1][1]["response"]["usage"]["mtp"]["drafted"] >= 0
 
 
+@pytest.mark.slow
 def test_namespace_and_hosted_tools_with_developer_input(oai):
     dev = [{"type": "message", "role": "developer", "content": "Use the tools."}]
     raw = oai.responses.with_raw_response.create(

@@ -65,6 +65,7 @@ def test_nothing_is_kept_without_a_prefix_cache(fixture_model):
     assert stats.cached_prompt_tokens == 0 and tokens == reference_greedy(ref, prompt, 12)
 
 
+@pytest.mark.slow
 def test_a_client_that_times_out_and_retries_finishes(start_server, monkeypatch):
     # The OpenAI SDK's own timeout and retries against a prefill slower than its timeout:
     # each attempt is cut (the server sees the disconnect and cancels it) and the next

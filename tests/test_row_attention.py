@@ -84,6 +84,7 @@ def test_shape_stable_groups_read_capacity_buckets_under_their_part_of_the_mask(
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("mtp,shape_stable,pipelined", [(False, False, False), (True, False, False),
                                                         (True, True, False), (True, True, True)])

@@ -241,6 +241,7 @@ def test_tool_call_xml_openai_stream(oai):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_one_tool_call_when_parallel_calls_are_off(server, oai, ant):
     # The model writes two calls; parallel_tool_calls false (OpenAI, Responses) or
     # disable_parallel_tool_use (Anthropic) ends the answer after the first.
@@ -323,6 +324,7 @@ def test_tool_results_round_trip(oai, ant):
 
 
 # ------------------------------------------------------------------ concurrency, disconnects, failures
+@pytest.mark.slow
 def test_eight_concurrent_streams_equal_solo(server):
     prompts = [f"Request number {i}: " + "word " * i for i in range(8)]
     solo, together = streams_solo_and_together(server.url, MODEL, prompts, 24)
@@ -586,6 +588,7 @@ def test_template_that_opens_think(tmp_path, server_model):
         assert r.choices[0].message.model_extra["reasoning_content"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["pipeline_drafts", "compile_steps"])
 def test_experimental_cycles_serve_the_same_greedy_output(start_server, oai, option):
     """`serve --pipeline-drafts` / `--compile-steps`: streamed and collected answers equal the
@@ -602,6 +605,7 @@ def test_experimental_cycles_serve_the_same_greedy_output(start_server, oai, opt
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
 
 
+@pytest.mark.slow
 def test_cycle_costs_are_calibrated_before_the_first_request(server_model, monkeypatch):
     """The server measures decode-cycle costs while starting, so no request waits for it."""
     from engine_helpers import calibration_calls

@@ -23,6 +23,7 @@ def test_enable_mtp_without_head_is_a_clear_error(tmp_path):
     assert res.exit_code != 0
     assert "mlxmtp add-mtp-weights" in res.output
     assert "no MTP head" in res.output
+    assert "Or serve without MTP: drop --enable-mtp, or add --mtp-fallback." in res.output
     run.assert_not_called()
 
 
@@ -196,6 +197,7 @@ run_server(create_app(model, tok), host="127.0.0.1", port=int(sys.argv[2]), log_
 """
 
 
+@pytest.mark.slow
 def test_serving_that_cannot_bind_stops_the_engine_and_exits_with_uvicorn_s_code(tmp_path):
     # The port is taken between the check and the bind: uvicorn's startup failure (3), not
     # an abort in the interpreter's teardown while the engine thread runs.
@@ -271,3 +273,40 @@ def test_bad_serve_options_are_refused_before_loading(args, message):
     assert res.exit_code == 2 and message in res.output, res.output
     load.assert_not_called()
     run.assert_not_called()
+
+
+def test_the_demo_s_requests_without_a_limit_get_256_tokens_a_real_model_s_none(tmp_path, caplog):
+    # Without a limit the demo wrote to the end of its 4096-token context (two minutes for "hi").
+    from mlxmtp.models import demo
+
+    caplog.set_level(logging.INFO, logger="mlxmtp")
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    served = {}
+    for name, args in [("demo", []), ("demo by name", ["--model", "mlxmtp-demo"]),
+                       ("demo, --max-tokens", ["--max-tokens", "1000"]), ("real model", ["--model", str(path)])]:
+        with mock.patch(RUN) as run:
+            res = CliRunner().invoke(main, ["serve", "--port", "0", *args])
+        assert res.exit_code == 0, res.output
+        state = run.call_args.args[0].state.server
+        served[name] = (state.model_id, state.default_max_tokens)
+    assert served == {"demo": ("mlxmtp-demo", demo.MAX_TOKENS), "demo by name": ("mlxmtp-demo", 256),
+                      "demo, --max-tokens": ("mlxmtp-demo", 1000), "real model": (str(path), None)}
+    assert "model: packaged demo model (mlxmtp-demo)" in caplog.text
+    assert "sets no max_tokens: up to 256 tokens, the demo model's default" in caplog.text
+    assert "sets no max_tokens: up to 1000 tokens (--max-tokens)" in caplog.text
+    assert "sets no max_tokens: to the end of its turn or of the context" in caplog.text
+    # What bounds one request: the context, not the memory that would hold millions of tokens.
+    assert "one request alone: up to 4096 tokens, the context length (memory would hold " in caplog.text
+    help_text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())
+    assert "the demo model 256, in every API" in help_text
+
+
+def test_the_memory_line_says_when_memory_bounds_a_request(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="mlxmtp")
+    path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")
+    with mock.patch(RUN) as run:
+        res = CliRunner().invoke(main, ["serve", "--model", str(path), "--memory-mb", "1"])
+    assert res.exit_code == 0, res.output
+    fits = run.call_args.args[0].state.server.context_length
+    assert fits < 4096
+    assert f"one request alone: up to {fits} tokens, what its caches can reach in memory" in caplog.text

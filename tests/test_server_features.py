@@ -219,6 +219,7 @@ def test_thinking_budget_closes_the_reasoning(server, qwen35):
 
 
 # ------------------------------------------------------------------ count_tokens, keep-alive
+@pytest.mark.slow
 def test_count_tokens_is_the_prefill(server, qwen35):
     for srv in (server, qwen35):
         _, ant = clients(srv)
@@ -304,6 +305,7 @@ def _is_keepalive(block: str) -> bool:
     return block == ": keep-alive" or block.startswith("event: ping")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mark", ["SLOW:first", "SLOW:later"])
 def test_keepalive_while_no_token_comes(server, monkeypatch, mark):
     """A stream that waits for a token (the first: a long prefill; a later one: a request
@@ -351,6 +353,7 @@ def test_tool_call_opening_formats():
         ("tool_call", {"name": "get_time", "arguments": {}})]
 
 
+@pytest.mark.slow
 def test_tool_choice_forces_the_call_openai_chat(server):
     oai, _ = clients(server)
     msgs = [{"role": "user", "content": "FORCE:required weather?"}]
@@ -372,6 +375,7 @@ def test_tool_choice_forces_the_call_openai_chat(server):
     assert server.hook.prompts[-1].endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_tool_choice_forces_the_call_anthropic(server):
     _, ant = clients(server)
     m = ant.messages.create(model="m", max_tokens=200, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
@@ -400,6 +404,7 @@ def test_tool_choice_forces_the_call_responses(server):
         ("function_call", "get_weather", {"city": "Oslo"})]
 
 
+@pytest.mark.slow
 def test_forced_call_skips_the_open_think_block(qwen35):
     oai, ant = clients(qwen35)
     r = oai.chat.completions.create(model="m", max_tokens=200, tools=TOOLS, tool_choice="required",

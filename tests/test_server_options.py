@@ -4,6 +4,7 @@ line to what a client sees."""
 from unittest import mock
 
 import httpx
+import pytest
 from click.testing import CliRunner
 
 from mlxmtp.cli import main
@@ -35,6 +36,7 @@ def test_the_options_reach_the_app_and_its_engine(tmp_path):
     assert app.state.server.bridge._make_engine().prefiller.step == 512
 
 
+@pytest.mark.slow
 def test_max_tokens_limits_only_the_requests_that_set_none(start_server):
     srv = start_server({"long": WORDS}, default_max_tokens=5)
     chat = {"messages": [{"role": "user", "content": "FORCE:long"}]}

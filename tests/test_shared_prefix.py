@@ -63,6 +63,7 @@ def test_a_hint_shorter_than_a_chunk_stores_nothing(fixture_model):
     assert tuple(system) not in eng.prefix_cache.entries
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_a_server_reads_the_system_prompt_of_the_second_conversation_from_the_cache(start_server, api):
     cached_server = start_server(prefix_cache_mb=64, prefill_step=64)

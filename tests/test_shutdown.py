@@ -125,6 +125,7 @@ def _check_anthropic_end(s, t_sig):
     return t_err
 
 
+@pytest.mark.slow
 def test_sigterm_ends_open_streams_with_their_error_event_and_exits_0(start):
     srv = start("--shutdown-timeout", str(GRACE), "--max-concurrent", "4")
     model = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -166,6 +167,7 @@ def test_sigterm_ends_open_streams_with_their_error_event_and_exits_0(start):
         assert len(after) >= 2, (name, "no output during the grace period")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM)],
                          ids=["TERM-TERM", "INT-TERM"])
 def test_second_signal_exits_at_once(start, first, second):
@@ -183,6 +185,7 @@ def test_second_signal_exits_at_once(start, first, second):
     assert rc == 128 + second, (rc, srv.output())  # mlxmtp/server/shutdown.py: os._exit(128 + signal)
 
 
+@pytest.mark.slow
 def test_idle_server_exits_0_on_sigterm(start):
     srv = start("--shutdown-timeout", "30")
     srv.signal(signal.SIGTERM)

@@ -47,6 +47,7 @@ def mlx_lm_held(ref, tok, prompt, n=600):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_6_moe"])
 def test_held_output_equals_mlx_lm_at_every_depth_and_acceptance_length(fixture_model, family):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
@@ -67,6 +68,7 @@ def test_held_output_equals_mlx_lm_at_every_depth_and_acceptance_length(fixture_
         assert got == want, f"{family} k={k}"
 
 
+@pytest.mark.slow
 def test_sampled_held_output_is_valid_at_every_depth(fixture_model):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     for k in (0, 3):
@@ -88,6 +90,7 @@ def server(start_server):
     return start_server(max_concurrent=4)
 
 
+@pytest.mark.slow
 def test_every_api_holds_its_answer_to_the_schema(server, oai, ant):
     chat = oai.chat.completions.create(model="m", max_tokens=600, temperature=0, messages=[
         {"role": "user", "content": "Describe it."}],
@@ -179,6 +182,7 @@ def _ref_chain(hops: int) -> dict:
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
+@pytest.mark.slow
 def test_a_schema_past_the_bounds_is_a_400_and_harms_no_other_request(server, oai):
     import httpx
 

@@ -115,6 +115,7 @@ def every_forced_call(url, every: bool):
             n += 1
 
 
+@pytest.mark.slow
 def test_forced_calls_of_the_demo_model_are_calls_of_the_schema():
     # The demo writes Python-like text; forced, it wrote that text after `<tool_call>`.
     from mlxmtp.models.load import load
@@ -124,6 +125,7 @@ def test_forced_calls_of_the_demo_model_are_calls_of_the_schema():
         every_forced_call(srv.url, every=False)
 
 
+@pytest.mark.slow
 def test_forced_calls_in_qwen3_coder_syntax_are_calls_of_the_schema(server_model):
     # A random model, its template writing calls as <function=...>: XML held to the schema.
     from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -2,7 +2,7 @@
 headers; no weight is loaded): what `mlxmtp inspect --ranks N --json` prints, what
 loading reads on each rank, and what `generate --json` reports as `stats.distributed`.
 
-The split is a pipeline split (why, in the README): rank r holds `split[r]` consecutive
+The split is a pipeline split (why: docs/across-machines.md): rank r holds `split[r]` consecutive
 decoder layers, in mlx-lm's order (the last rank the first layers, rank 0 the last), and
 every rank holds what all of them run: the embeddings, the final norm, the lm_head and
 the MTP head (one decoder layer), so every rank computes the same logits and drafts.

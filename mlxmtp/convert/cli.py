@@ -9,7 +9,8 @@ import click
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
               help="The MLX model folder to repair (its own shards are never touched).")
 @click.option("--source", required=True,
-              help="The BF16 checkpoint holding mtp.* tensors: a local folder or a Hugging Face repo id.")
+              help="The BF16 checkpoint holding mtp.* tensors: a local folder or a Hugging Face repo id "
+                   "(mlxmtp-demo: the demo model's own head, to repair a quantized copy of the demo offline).")
 @click.option("--bits", default="auto", show_default=True,
               type=click.Choice(["auto", "2", "3", "4", "5", "6", "8", "16"]),
               help="Head bits; auto = like the model; 16 keeps the source dtype unquantized.")
@@ -30,9 +31,16 @@ def add_mtp_weights(model_dir, source, bits, group_size, mode, revision, dry_run
     killed earlier run left half-swapped is put back first.
     """
     # On use: `mlxmtp` start-up imports every subcommand module, and this one pulls in mlx_lm.
+    from ..models import demo
     from .add_mtp_weights import AddMTPError
     from .add_mtp_weights import add_mtp_weights as run
 
+    if demo.names_demo(model_dir):  # the packaged demo: by its name, or its folder
+        if force:
+            raise click.BadParameter("the demo model is part of the mlxmtp package and keeps the head it ships "
+                                     "with: repair a copy of it (a quantized conversion) instead",
+                                     param_hint="--model")
+        model_dir = str(demo.demo_model_path())
     if group_size != "auto":
         try:
             group_size = int(group_size)

@@ -15,9 +15,10 @@ def _tokenizer_and_config(model: str):
     """(model folder, mlx-lm tokenizer with the model's EOS ids, config); a Hugging Face
     repo id downloads the tokenizer and configs only."""
     # On use: `mlxmtp` start-up imports every subcommand module.
+    from ..models import demo
     from ..models.load import ModelLoadError, check_model_folder, hub_snapshot
 
-    path = Path(model).expanduser()
+    path = Path(demo.resolve(model)).expanduser()  # the demo: by default, or by its name
     try:
         if not path.exists():
             path = hub_snapshot(model, TOKENIZER_FILES)
@@ -31,23 +32,29 @@ def _tokenizer_and_config(model: str):
 
 
 @click.command("draft-vocab")
-@click.option("--model", required=True, help="Model folder (or Hugging Face repo id, with --out).")
+@click.option("--model", default=None,
+              help="Model folder (or Hugging Face repo id, with --out; default: the demo model, with --out).")
 @click.option("--corpus", "corpus", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="UTF-8 text file to count tokens in (repeatable; more files may follow as arguments).")
 @click.argument("more", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--size", required=True, type=click.IntRange(min=1), help="Tokens in the list (e.g. 32768).")
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
-              help="Where to write the list (default: MODEL/mtp/draft_vocab.json).")
+              help="Where to write the list (default: MODEL/mtp/draft_vocab.json; required for the demo model).")
 def draft_vocab(model, corpus, more, size, out):
     """Write the special tokens and the corpus's most frequent tokens as the MTP head's draft
     vocabulary (used with --draft-vocab N on serve / generate; N up to --size)."""
     # On use: `mlxmtp` start-up imports every subcommand module, and these pull in mlx.
     from ..checkpoint import token_list
     from ..mlxlm.family import text_config
+    from ..models import demo
 
     files = [Path(f) for f in (*corpus, *more)]
     if not files:
         raise click.UsageError("give at least one --corpus file")
+    if out is None and demo.names_demo(model):
+        raise click.UsageError("the demo model is part of the mlxmtp package, which this command does not write "
+                               "to: give --out PATH (its 2048-token vocabulary is below the 64K tokens a draft "
+                               "vocabulary is trimmed from, so serve --draft-vocab leaves it whole)")
     path, tok, config = _tokenizer_and_config(model)
     if out is None:
         out = token_list.default_path(path)

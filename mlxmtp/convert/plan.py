@@ -7,8 +7,11 @@ and the source dtype. `quantization.choose_quantization` then sets each job's qu
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -18,6 +21,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import hf_head, mtp_folder
 from ..checkpoint.tensor_files import ST_DTYPES, TensorFileError, TensorReader, nbytes
 from ..mlxlm.family import UnsupportedModelError, family_of
+from ..models import demo
 from ..models.load import ModelLoadError, hub_snapshot
 
 
@@ -42,7 +46,9 @@ def _snapshot(repo_id: str, patterns: List[str], revision: Optional[str], progre
 
 def local_source(source: str, revision: Optional[str] = None) -> Optional[Path]:
     """The local folder `source` names (None: a repo id, or nothing); a revision is refused
-    with a folder, as `--revision` is for a Hugging Face repo id only."""
+    with a folder or the demo, as `--revision` is for a Hugging Face repo id only."""
+    if demo.names_demo(source) and revision is not None:
+        raise AddMTPError(f"--revision applies to a Hugging Face repo id only; --source {source} is the demo model")
     p = Path(source).expanduser()
     if not p.is_dir():
         return None
@@ -54,7 +60,11 @@ def local_source(source: str, revision: Optional[str] = None) -> Optional[Path]:
 def fetch_source(source: str, *, shards: bool = True, revision: Optional[str] = None,
                  progress: bool = True) -> Tuple[Path, Dict[str, str]]:
     """(folder, {mtp tensor: shard}). An HF id downloads config + index, then (if `shards`)
-    only the shards that hold `mtp.*` tensors."""
+    only the shards that hold `mtp.*` tensors; the demo (`mlxmtp-demo`) its head in HF layout."""
+    if demo.names_demo(source):
+        local_source(source, revision)  # refuses a revision
+        folder = demo_source()
+        return folder, hf_head.mtp_tensor_files(folder)
     local = local_source(source, revision)
     if local is not None:
         return local, hf_head.mtp_tensor_files(local)
@@ -74,6 +84,23 @@ def fetch_source(source: str, *, shards: bool = True, revision: Optional[str] = 
         if not index.exists():
             files = hf_head.mtp_tensor_files(folder)
     return folder, files
+
+
+_DEMO_SOURCE: List[Path] = []  # the demo's head in HF layout, exported once per process
+
+
+def demo_source() -> Path:
+    """A folder holding the demo's head in HF layout (models.demo.export_head), in a
+    temporary folder removed when the process ends: a source for quantized copies of the
+    demo, made from the shipped head, offline."""
+    if not _DEMO_SOURCE:
+        folder = Path(tempfile.mkdtemp(prefix="mlxmtp-demo-head-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        try:
+            _DEMO_SOURCE.append(demo.export_head(folder))
+        except (OSError, ValueError) as e:
+            raise AddMTPError(f"cannot export the demo model's head: {e}") from e
+    return _DEMO_SOURCE[0]
 
 
 # ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..checkpoint.split_plan import Plan, make_plan
-from ..models.demo import demo_model_path
+from ..models import demo
 from ..models.load import load, resolve_model_path
 from .channel import Channel
 from .group import check_same_setup
@@ -22,7 +22,7 @@ log = logging.getLogger("mlxmtp.distributed")
 
 def load_on_rank(group, path_or_hf_id: Optional[str], settings: dict, **load_options) -> Tuple[object, object, Plan]:
     """(MTPModel with this rank's layers, tokenizer, plan); `load_options` go to models.load."""
-    src = str(path_or_hf_id or demo_model_path())
+    src = str(demo.resolve(path_or_hf_id))  # the demo: by default, or by its name
     local = Path(src).expanduser().exists()
     config_dir = resolve_model_path(src, weight_files=[])  # configs only, for a Hub id
     check_same_setup(Channel(group), config_dir, settings)

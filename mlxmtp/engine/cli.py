@@ -16,7 +16,7 @@ SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top
 
 
 @click.command()
-@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model).")
+@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model, mlxmtp-demo).")
 @click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0))
@@ -39,7 +39,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
              pipeline_drafts=False, compile_steps=False, dist_timeout=30.0, adapter_path=None,
              trust_remote_code=False, use_default_chat_template=False):
-    """Generate a completion for PROMPT (on every rank under `mlx.launch`; rank 0 prints)."""
+    """Generate a completion for the --prompt text (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
     from .sampling import SamplingParams
@@ -120,7 +120,7 @@ def _load(model, group, engine_options: dict, **load_options):
     """(model, tokenizer, plan): the whole model, or this rank's share under mlx.launch."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import SetupMismatchError
-    from ..models.load import ModelLoadError, load
+    from ..models.load import MissingMTPHeadError, ModelLoadError, load
 
     try:
         if group is None:
@@ -128,6 +128,9 @@ def _load(model, group, engine_options: dict, **load_options):
         from ..distributed.load import load_on_rank  # on use, as above
 
         return load_on_rank(group, model, {**engine_options, **load_options}, **load_options)
+    except MissingMTPHeadError as e:  # generate uses the head by default: say how not to
+        raise click.ClickException(f"{e} Or generate without MTP: add --disable-mtp, or --mtp-fallback to use "
+                                   "the head only where a model has one.") from e
     except (ModelLoadError, SetupMismatchError) as e:
         raise click.ClickException(str(e)) from e
 

@@ -9,18 +9,20 @@ import click
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", required=False)
 @click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1),
               help="Also plan a distributed run on N ranks: layers, files and bytes of weights per rank.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(model, as_json, ranks=1):
-    """Family, quantization and MTP head (present? where? layers, expert layout) of MODEL."""
+    """Family, quantization and MTP head (present? where? layers, expert layout) of MODEL: a
+    model folder or Hugging Face repo id (default: the demo model, mlxmtp-demo)."""
     # On use: `mlxmtp` start-up imports every subcommand module
     from ..checkpoint.split_plan import make_plan
+    from . import demo
     from .load import inspect_model
 
     try:
-        info = inspect_model(model)
+        info = inspect_model(model or demo.NAME)
         if ranks > 1:
             info["distributed"] = make_plan(Path(info["path"]), ranks).as_dict()
     except (OSError, ValueError) as e:
@@ -38,7 +40,8 @@ def inspect(model, as_json, ranks=1):
         click.echo(f"  experts:    {m['expert_layout']} ({m.get('num_experts', 0)} experts)")
         click.echo(f"  hidden:     {m['hidden_state']}")
     else:
-        click.echo("MTP head:     MISSING (repair with `mlxmtp add-mtp-weights --model MODEL --source BF16_SOURCE`)")
+        click.echo(f"MTP head:     MISSING (repair with `mlxmtp add-mtp-weights --model {info['path']} "
+                   "--source BF16_SOURCE`)")
     for r in info.get("distributed", {}).get("ranks", []):
         click.echo(f"rank {r['rank']}:       layers {r['layers'][0]}-{r['layers'][1] - 1}, "
                    f"{r['bytes'] / 2**30:.2f} GiB of weights, {len(r['files'])} file(s)")

@@ -17,6 +17,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from huggingface_hub import constants as hf_constants
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from mlx.utils import tree_flatten, tree_map
@@ -25,17 +26,16 @@ from ..checkpoint import hf_head, mtp_folder, tensor_files
 from ..checkpoint.token_list import DraftVocabError
 from ..mlxlm import loading
 from ..mlxlm.family import TextParts, family_of, text_config, text_parts
-from . import head_layouts
+from . import demo, head_layouts
 from .demo import demo_model_path
 from .draft_vocab import DraftVocab, draft_token_ids
 from .mtp_head import MTPHead
 
 log = logging.getLogger("mlxmtp")
 
-REPAIR_HINT = (
-    "Repair it with: mlxmtp add-mtp-weights --model {model} --source <BF16 HF checkpoint or repo id>"
-    " (or serve without MTP: drop --enable-mtp, or add --mtp-fallback)."
-)
+# The commands add how to run without the head where it is required (serve: drop --enable-mtp;
+# generate: --disable-mtp), as the options differ; a head that is off already needs neither.
+REPAIR_HINT = "Repair it with: mlxmtp add-mtp-weights --model {model} --source <BF16 HF checkpoint or repo id>."
 HIDDEN_STATES = ("post_norm", "pre_norm")
 HEAD_CONFIG_KEYS = ("expert_layout", "num_experts", "num_layers", "moe")  # the layout an mtp/config.json gives
 
@@ -102,9 +102,11 @@ CONFIG_FILES = ["*.json", "*.py", "*.jinja", "tokenizer.model", "*.tiktoken", "*
 
 def resolve_model_path(path_or_hf_id: str, revision: Optional[str] = None,
                        weight_files: Optional[list] = None) -> Path:
-    """A local folder as is; otherwise a Hugging Face repo id through huggingface_hub
-    (its cache makes a second load offline). `weight_files`: fetch only these weight
-    files (a rank of a distributed run: distributed/load.py); default every one."""
+    """A local folder as is, the demo's by its name `mlxmtp-demo`; otherwise a Hugging Face
+    repo id through huggingface_hub (its cache makes a second load offline). `weight_files`:
+    fetch only these weight files (a rank of a distributed run: distributed/load.py);
+    default every one."""
+    path_or_hf_id = demo.resolve(path_or_hf_id)
     p = Path(path_or_hf_id).expanduser()
     if p.exists():
         return p
@@ -126,10 +128,21 @@ def hub_snapshot(repo_id: str, patterns: list, revision: Optional[str] = None, t
         raise ModelLoadError(f"{repo_id} is neither a model folder nor a Hugging Face repo id") from None
     except LocalEntryNotFoundError as e:
         raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face, and it is not in the local cache "
-                             f"({str(e).strip().splitlines()[0]}); nor is it a folder here") from e
+                             f"({str(e).strip().splitlines()[0]}); nor is it a folder here. "
+                             + _fetch_hint(repo_id)) from e
     except (HfHubHTTPError, OSError, ValueError) as e:  # no such repo, no access, a disk error
         why = " ".join(str(e).split()) or type(e).__name__
         raise ModelLoadError(f"cannot fetch {repo_id} from Hugging Face: {why}; nor is it a folder here") from e
+
+
+def _fetch_hint(repo_id: str) -> str:
+    """What to do about a repo that is neither fetched nor cached: the network, or offline
+    mode (HF_HUB_OFFLINE), stands in the way."""
+    offline = getattr(hf_constants, "is_offline_mode", lambda: hf_constants.HF_HUB_OFFLINE)()
+    if offline:
+        return (f"Hugging Face's offline mode is on (HF_HUB_OFFLINE): fetch it once with `hf download {repo_id}` "
+                "with the variable unset")
+    return f"Check the network, or fetch it first with `hf download {repo_id}`"
 
 
 def _names_a_path(name: str) -> bool:
@@ -360,7 +373,7 @@ def load(path_or_hf_id=None, mtp: bool = True, *, mtp_fallback: bool = False,
     """
     if path_or_hf_id is None:
         path_or_hf_id = str(demo_model_path())
-    model_dir = resolve_model_path(str(path_or_hf_id), revision)
+    model_dir = resolve_model_path(str(path_or_hf_id), revision)  # also the demo by its name
     check_model_folder(model_dir)
     if pipeline is not None and adapter_path is not None:
         raise MTPLoadError("adapters are not supported across ranks: fuse them into the model first "

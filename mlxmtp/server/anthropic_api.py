@@ -106,7 +106,9 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
     fmt, where = _output_format(body)
     if fmt is not None and prompt.continues:
         raise APIError(400, f"{where}: a prefilled answer cannot also be held to a format")
-    hold_to_format(gen.req, state.tok, fmt, where, prompt)
+    strict = {t["name"]: f"tools.{i}.input_schema" for i, t in enumerate(body.get("tools") or [])
+              if t.get("strict") is True and "input_schema" in t}  # Anthropic's strict tool use
+    hold_to_format(gen.req, state.tok, fmt, where, prompt, tools, strict, state.constrain_tool_calls)
     choice = body.get("tool_choice")
     if tools and isinstance(choice, dict) and field(choice, "disable_parallel_tool_use", bool,
                                                     label="tool_choice.disable_parallel_tool_use"):

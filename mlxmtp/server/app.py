@@ -45,6 +45,7 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                default_max_tokens: Optional[int] = None, prefill_step: int = PREFILL_STEP,
                allowed_origins: Sequence[str] = (), prefix_cache_entries: Optional[int] = None,
                prefix_cache_dir: Optional[str] = None, prefix_cache_disk_mb: int = PREFIX_DISK_MB,
+               constrain_tool_calls: bool = False,
                engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> Starlette:
     """The ASGI app. `context_length` defaults to the model's max_position_embeddings;
     `sampling_defaults` ({"temperature": ..., "top_p": ...}) fill the sampling fields a
@@ -56,6 +57,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     Any model name is answered (under the name asked for) unless `strict_model_name`: then
     only the model id and its aliases. `prefix_cache_dir`: the prefix cache's folder on disk,
     of `prefix_cache_disk_mb` MiB at most (engine/prefix_disk.py; None: memory only).
+    `constrain_tool_calls`: every tool call the model opens is held to the tools' grammar
+    (call_hold.CallProcessor), not only forced and `strict` ones.
     `engine_factory(model, tok, **engine_options(...))` builds the engine (rank 0 of a
     distributed server passes its own)."""
     _materialize(model)
@@ -68,10 +71,8 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
     serve_tokenizer(tok, args.vocab_size)  # what response formats are compiled for
     context_length = _context_in_memory(model, mtp_active, context_length or args.max_position_embeddings,
                                         options["memory_bytes"])
-    bridge = EngineBridge(_with_disk(lambda: engine_factory(model, tok, **options), prefix_cache_dir,
-                                     prefix_cache_disk_mb), metrics)
-    metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
-    metrics.watch_memory(lambda: bridge.engine.memory if bridge.engine is not None else None)
+    bridge = _watched_bridge(_with_disk(lambda: engine_factory(model, tok, **options), prefix_cache_dir,
+                                        prefix_cache_disk_mb), metrics)
     model_id = model_id or "mlxmtp-demo"
     state = ServerState(tok=tok, model_id=model_id, bridge=bridge, metrics=metrics, eos_ids=set(tok.eos_token_ids),
                         mtp_active=mtp_active, mtp_disabled_reason=reason, vocab_size=args.vocab_size,
@@ -79,9 +80,15 @@ def create_app(model, tok, *, model_id: Optional[str] = None, enable_mtp: bool =
                         aliases=_served_aliases(model_id, aliases),
                         request_hook=request_hook, strict_model_name=strict_model_name,
                         sampling_defaults=dict(sampling_defaults or {}),
-                        chat_template_args=dict(chat_template_args or {}), default_max_tokens=default_max_tokens)
+                        chat_template_args=dict(chat_template_args or {}), default_max_tokens=default_max_tokens,
+                        constrain_tool_calls=constrain_tool_calls)
+    return _outer_app(state, api_key, max_body_mb, allowed_origins)
 
-    app = Starlette(routes=_routes(state), lifespan=functools.partial(_engine_running, bridge),
+
+def _outer_app(state: ServerState, api_key: Optional[str], max_body_mb: float, allowed_origins: Sequence[str]):
+    """The routes of `state`, its engine running while they serve, behind what every
+    request passes first (_Outer: CORS, the API key, the body limit)."""
+    app = Starlette(routes=_routes(state), lifespan=functools.partial(_engine_running, state.bridge),
                     exception_handlers=_EXCEPTION_HANDLERS)
     app.state.server = state
     return _Outer(app, state, api_key, int(max_body_mb * 2**20), allowed_origins)
@@ -100,6 +107,14 @@ async def _engine_running(bridge: EngineBridge, app):
 def _log_prefix_cache(budget: int, entries: Optional[int]) -> None:
     log.info("prefix cache: up to %s%s", f"{budget >> 20} MiB" if budget >= 2**20 or not budget else f"{budget} bytes",
              f", {entries} entries" if entries else "")
+
+
+def _watched_bridge(make_engine: Callable[[], BatchGenerator], metrics: Metrics) -> EngineBridge:
+    """The bridge to the engine `make_engine` builds, its prefix cache and memory in `metrics`."""
+    bridge = EngineBridge(make_engine, metrics)
+    metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
+    metrics.watch_memory(lambda: bridge.engine.memory if bridge.engine is not None else None)
+    return bridge
 
 
 def _with_disk(make_engine: Callable[[], BatchGenerator], folder: Optional[str], disk_mb: int):
@@ -141,12 +156,23 @@ def _context_in_memory(model, mtp: bool, context_length: int, memory_bytes: int)
                  "under the device's limit)")
         return context_length
     fits = memory.measure(model_pieces(model, mtp)).max_positions(memory_bytes)
-    log.info("memory for running requests and the prefix cache: %d MiB (one request alone: %d tokens)",
-             memory_bytes >> 20, fits)
+    if fits >= context_length:  # the context bounds a request, not memory: say which does
+        alone = f"up to {context_length} tokens, the context length (memory would hold {_tokens(fits)})"
+    else:
+        alone = f"up to {fits} tokens, what its caches can reach in memory"
+    log.info("memory for running requests and the prefix cache: %d MiB; one request alone: %s",
+             memory_bytes >> 20, alone)
     if fits < context_length:
         log.warning("context length %d capped at %d tokens: what one request's caches can reach in memory",
                     context_length, fits)
     return min(context_length, fits)
+
+
+def _tokens(n: int) -> str:
+    """A token count as a reader takes it in: 19.7M, 350K, 4096."""
+    if n >= 10**6:
+        return f"{n / 10**6:.1f}M"
+    return f"{n / 10**3:.0f}K" if n >= 10**5 else str(n)
 
 
 def _mtp_status(model, enable_mtp: bool) -> Tuple[bool, Optional[str]]:

@@ -124,7 +124,16 @@ def openai_tools(tools: Any) -> Optional[List[dict]]:
             raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                            param="tools")
         check_schema(fn.get("parameters"), f"tools[{i}].function.parameters", param="tools")
+        if not isinstance(fn.get("strict", False), (bool, type(None))):
+            raise APIError(400, f"'tools[{i}].function.strict' must be a boolean", param=f"tools[{i}].function.strict")
     return tools or None
+
+
+def strict_tools(tools: Optional[List[dict]]) -> Dict[str, str]:
+    """The names of the functions marked `strict: true` -> where their parameters are (the
+    field a schema llguidance cannot hold is a 400 on: call_hold.check_strict)."""
+    return {t["function"]["name"]: f"tools[{i}].function.parameters"
+            for i, t in enumerate(tools or []) if t["function"].get("strict") is True}
 
 
 def check_schema(schema: Any, where: str, param: Optional[str] = None) -> None:

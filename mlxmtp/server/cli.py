@@ -23,7 +23,7 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
 
 
 @click.command()
-@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the packaged demo model).")
+@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the packaged demo model, mlxmtp-demo).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (local only by default).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--enable-mtp/--disable-mtp", default=None,
@@ -41,7 +41,8 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
               help="Prompt + output tokens a request may reach (default: the model's max_position_embeddings).")
 @click.option("--max-tokens", "default_max_tokens", default=None, type=click.IntRange(min=1),
               help="Output tokens of requests that set no limit (default: up to the context's end; "
-                   "completions 16, as OpenAI's). A request's own max_tokens is kept.")
+                   "completions 16, as OpenAI's; the demo model 256, in every API). A request's own "
+                   "max_tokens is kept.")
 @click.option("--prefill-step-size", "prefill_step", default=PREFILL_STEP, show_default=True,
               type=click.IntRange(min=16),
               help="Prompt tokens prefilled per step: larger chunks prefill long prompts faster, smaller ones "
@@ -103,6 +104,12 @@ PROMPT_CONCURRENCY_IGNORED = ("--prompt-concurrency is ignored: mlxmtp prefills 
 @click.option("--chat-template-args", default=None, callback=lambda ctx, param, value: _template_args(value),
               help='JSON object of chat template variables for every request, e.g. \'{"enable_thinking": '
                    "false}'. A request's own chat_template_kwargs, thinking or reasoning setting wins.")
+@click.option("--constrain-tool-calls", is_flag=True,
+              help="Hold every tool call the model opens to a grammar, from its <tool_call> token on: one of "
+                   "the request's tools, arguments matching that tool's JSON schema, in the model's own call "
+                   "syntax (Hermes JSON or Qwen3-Coder XML); text and reasoning outside calls stay free. "
+                   "Without it only forced calls (tool_choice required / a named tool) and calls of "
+                   "functions marked \"strict\": true are held to their schemas.")
 @tokenizer_options
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"], case_sensitive=False))
@@ -120,21 +127,23 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           dist_timeout=30.0, temp=None, top_p=None, top_k=None, min_p=None, chat_template=None,
           chat_template_args=None, adapter_path=None, default_max_tokens=None, prefill_step=PREFILL_STEP,
           allowed_origins=(), prompt_cache_bytes=None, prefix_cache_entries=None, trust_remote_code=False,
-          use_default_chat_template=False, prefix_cache_dir=None, prefix_cache_disk_mb=PREFIX_DISK_MB):
-    """OpenAI- and Anthropic-compatible server (/v1/chat/completions, /v1/completions, /v1/messages).
+          use_default_chat_template=False, prefix_cache_dir=None, prefix_cache_disk_mb=PREFIX_DISK_MB,
+          constrain_tool_calls=False):
+    """OpenAI- and Anthropic-compatible server.
+
+    Endpoints: /v1/chat/completions, /v1/completions and /v1/responses (OpenAI);
+    /v1/messages and /v1/messages/count_tokens (Anthropic); /v1/models (and /v1/models/ID),
+    /health and /metrics (Prometheus).
+
     Under `mlx.launch`, every rank loads its share of the model and rank 0 serves HTTP.
     mlx_lm.server's options are accepted under their names; those mlxmtp cannot honour are refused."""
     _check_api_key(api_key)  # before the (slow) model load, as the options below
     prefix_cache_mb = _prefix_cache_mb(prefix_cache_mb, prompt_cache_bytes)
-    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from ..distributed.group import launched_group
+    from ..distributed.group import launched_group  # on use: it loads MLX, which --help never needs
 
     logging.getLogger("mlxmtp").setLevel(log_level.upper())
-    want_mtp = enable_mtp is not False
-    if not want_mtp and num_draft is not None:
-        log.warning("--num-draft has no effect with --disable-mtp")
-    # Without an explicit --enable-mtp a headless model simply runs without MTP.
-    fallback = mtp_fallback or enable_mtp is None
+    default_max_tokens, demo_default = _output_default(model, default_max_tokens)
+    want_mtp, fallback = _mtp_wanted(enable_mtp, num_draft, mtp_fallback)
     group = launched_group()
     _check_prefix_cache_dir(prefix_cache_dir, prefix_cache_mb, group)
     if group is None or group.rank() == 0:
@@ -147,13 +156,10 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                    draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path,
                    trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)
     if group is not None and group.rank() > 0:
-        from .app import engine_options  # on use, as above
-
-        return _follow(m, tok, group, dist_timeout, engine_options(m, want_mtp, memory_mb=memory_mb, **settings))
-    _log_start(model, m, num_draft, host, api_key)
+        return _follow(m, tok, group, dist_timeout, want_mtp, memory_mb, settings)
+    _log_start(model, m, num_draft, host, api_key, default_max_tokens, demo_default)
     _check_changes(tok, adapter_path, chat_template, chat_template_args)
-    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from .app import create_app
+    from .app import create_app  # on use: it loads MLX (seconds), which --help never needs
 
     app = create_app(m, tok, model_id=model or "mlxmtp-demo", enable_mtp=want_mtp, **settings,
                      engine_factory=_engine_factory(group, dist_timeout),
@@ -162,6 +168,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
                      strict_model_name=strict_model_name, chat_template_args=chat_template_args,
                      default_max_tokens=default_max_tokens, allowed_origins=allowed_origins,
                      prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_mb=prefix_cache_disk_mb,
+                     constrain_tool_calls=constrain_tool_calls,
                      sampling_defaults=_sampling_defaults(m, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p))
     _run(app, host, port, log_level, shutdown_timeout)
 
@@ -177,16 +184,50 @@ def _run(app, host: str, port: int, log_level: str, shutdown_timeout: float) -> 
     run_server(app, host=host, port=port, log_level=log_level.lower(), shutdown_timeout=shutdown_timeout)
 
 
-def _log_start(model, m, num_draft, host: str, api_key) -> None:
-    """What is served, how, and a warning when anyone on the network could use it."""
-    log.info("model: %s", model if model else "packaged demo model (mlxmtp-demo)")
+def _output_default(model, default_max_tokens):
+    """(the output limit of requests that set none, whether it is the demo's default): the
+    demo never learnt to end a turn (demo.MAX_TOKENS)."""
+    from ..models import demo  # on use, as above
+
+    if default_max_tokens is None and demo.names_demo(model):
+        return demo.MAX_TOKENS, True
+    return default_max_tokens, False
+
+
+def _mtp_wanted(enable_mtp, num_draft, mtp_fallback):
+    """(whether to load the head, whether a model without one still serves): without an
+    explicit --enable-mtp a headless model simply runs without MTP."""
+    if enable_mtp is False and num_draft is not None:
+        log.warning("--num-draft has no effect with --disable-mtp")
+    return enable_mtp is not False, mtp_fallback or enable_mtp is None
+
+
+def _log_start(model, m, num_draft, host: str, api_key, default_max_tokens, demo_default: bool) -> None:
+    """What is served, how, the output limit of requests that set none, and a warning when
+    anyone on the network could use it."""
+    from ..models import demo  # on use, as above
+
+    log.info("model: %s", f"packaged demo model ({demo.NAME})" if demo.names_demo(model) else model)
     if m.active:
         log.info("MTP head: active (%s, %d layer(s)); draft depth %s", m.source.location if m.source else "?",
                  max(1, m.info.get("num_layers", 1)), num_draft if num_draft is not None else "adaptive")
     else:
         log.info("MTP head: inactive (%s)", m.disabled_reason or "not requested")
+    _log_output_limit(default_max_tokens, demo_default)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("binding %s without --api-key: anyone who can reach it can use the model", host)
+
+
+def _log_output_limit(default_max_tokens, demo_default: bool) -> None:
+    """What a request that sets no output limit gets."""
+    if demo_default:
+        log.info("output of a request that sets no max_tokens: up to %d tokens, the demo model's default "
+                 "(--max-tokens N sets another)", default_max_tokens)
+    elif default_max_tokens is not None:
+        log.info("output of a request that sets no max_tokens: up to %d tokens (--max-tokens)", default_max_tokens)
+    else:
+        log.info("output of a request that sets no max_tokens: to the end of its turn or of the context "
+                 "(completions: 16; --max-tokens N caps it)")
 
 
 def _check_changes(tok, adapter_path, chat_template, chat_template_args) -> None:
@@ -318,7 +359,7 @@ def _load(model, group, settings: dict, **load_options):
     """(model, tokenizer): the whole model, or this rank's share under mlx.launch."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import SetupMismatchError
-    from ..models.load import ModelLoadError, load
+    from ..models.load import MissingMTPHeadError, ModelLoadError, load
 
     try:
         if group is None:
@@ -330,6 +371,8 @@ def _load(model, group, settings: dict, **load_options):
             log.info("distributed: %d ranks, pipeline split, layers per rank %s",
                      group.size(), [r.layers for r in plan.ranks])
         return m, tok
+    except MissingMTPHeadError as e:  # only with --enable-mtp: without it a headless model serves
+        raise click.ClickException(f"{e} Or serve without MTP: drop --enable-mtp, or add --mtp-fallback.") from e
     except (ModelLoadError, SetupMismatchError) as e:
         raise click.ClickException(str(e)) from e
 
@@ -347,16 +390,18 @@ def _engine_factory(group, dist_timeout: float):
     return functools.partial(DistributedEngine, group=group, dist_timeout=dist_timeout)
 
 
-def _follow(m, tok, group, dist_timeout: float, options: dict) -> None:
-    """Ranks > 0 of a distributed server: run rank 0's steps (engine `options` as create_app
-    builds rank 0's) until it stops, then exit."""
+def _follow(m, tok, group, dist_timeout: float, mtp: bool, memory_mb, settings: dict) -> None:
+    """Ranks > 0 of a distributed server: run rank 0's steps (engine options built from the
+    `settings` every rank shares, as create_app builds rank 0's) until it stops, then exit."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.engine import DistributedEngine
     from ..mlxlm.family import text_parts
+    from .app import engine_options
     from .structured_output import serve_tokenizer
 
     serve_tokenizer(tok, text_parts(m).args.vocab_size)  # rank 0's response formats run here too
     log.info("rank %d: following rank 0", group.rank())
+    options = engine_options(m, mtp, memory_mb=memory_mb, **settings)
     DistributedEngine(m, tok, group=group, dist_timeout=dist_timeout, **options).follow()
 
 

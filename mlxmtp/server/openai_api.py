@@ -22,6 +22,7 @@ from .chat import (
     encode_prompt,
     openai_messages,
     openai_tools,
+    strict_tools,
 )
 from .errors import APIError
 from .generation import Generation
@@ -242,7 +243,8 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
     gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools),
                          stop=string_list(body, "stop"), logprobs=(top_n or 0) if want_lp else None,
                          shared_prefix=prompt.shared)
-    hold_to_format(gen.req, state.tok, body.get("response_format"), "response_format", prompt)
+    hold_to_format(gen.req, state.tok, body.get("response_format"), "response_format", prompt, tools,
+                   strict_tools(tools), state.constrain_tool_calls)
     if tools and field(body, "parallel_tool_calls", bool) is False:
         gen.one_tool_call()
     return gen, ChatReply(state, model, stream, include_usage, want_lp)

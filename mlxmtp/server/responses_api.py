@@ -265,7 +265,8 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, ResponsesReply]:
     gen = new_generation(state, body, prompt.ids, max_out, params, prompt.splitter(chat_tools), param="input",
                          shared_prefix=prompt.shared)
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
-    hold_to_format(gen.req, state.tok, text.get("format"), "text.format", prompt)
+    hold_to_format(gen.req, state.tok, text.get("format"), "text.format", prompt, chat_tools, tools.strict,
+                   state.constrain_tool_calls)
     if chat_tools and body.get("parallel_tool_calls") is False:
         gen.one_tool_call()
     shape = ResponseShape(body, model, params, max_out)

@@ -41,6 +41,9 @@ class Tools:
         self.chat: List[dict] = []
         self.shown: Dict[Tuple[Optional[str], str], str] = {}  # (namespace, name) -> the name the model sees
         self.calls: Dict[str, Tuple[Optional[str], str]] = {}  # a name the model calls -> (namespace, name)
+        # The shown names of functions marked `strict: true` -> where their parameters are
+        # (call_hold.check_strict); the template does not see the mark.
+        self.strict: Dict[str, str] = {}
 
     def resolve(self, called: str) -> Tuple[Optional[str], str]:
         return self.calls.get(called, (None, called))
@@ -56,7 +59,11 @@ def _joined(namespace: Optional[str], name: str) -> str:
 
 
 def _function(t: dict, where: str, namespace: Optional[str], ns_description: Optional[str]) -> tuple:
+    """-> (namespace, name, description, parameters, where the parameters are if the
+    function is `strict: true`, else None)."""
     name = _string(t, "name", where)
+    if not isinstance(t.get("strict", False), (bool, type(None))):
+        raise bad(f"'{where}.strict' must be a boolean", f"{where}.strict")
     params = t.get("parameters")
     check_schema(params, f"{where}.parameters", param=f"{where}.parameters")
     desc = t.get("description")
@@ -64,7 +71,8 @@ def _function(t: dict, where: str, namespace: Optional[str], ns_description: Opt
         raise bad(f"'{where}.description' must be a string", f"{where}.description")
     if ns_description:
         desc = f"{desc}\n\n({namespace}: {ns_description})" if desc else f"({namespace}: {ns_description})"
-    return namespace, name, desc, params or {"type": "object", "properties": {}}
+    strict = f"{where}.parameters" if t.get("strict") is True else None
+    return namespace, name, desc, params or {"type": "object", "properties": {}}, strict
 
 
 def parse_tools(raw, warnings: List[str]) -> Tools:
@@ -82,7 +90,7 @@ def parse_tools(raw, warnings: List[str]) -> Tools:
 
 
 def _tool_entries(t, where: str, warnings: List[str]) -> List[tuple]:
-    """One `tools` entry -> its functions as (namespace, name, description, parameters)."""
+    """One `tools` entry -> its functions as `_function` gives them."""
     if not isinstance(t, dict):
         raise bad(f"'{where}' must be an object", where)
     kind = t.get("type")
@@ -126,8 +134,8 @@ def _namespace_entries(t: dict, where: str, warnings: List[str]) -> List[tuple]:
 def _name_tools(tools: Tools, entries: List[tuple]) -> None:
     """Fill `tools` from the functions: the name each is shown under (see Tools), the
     chat template's tool list, and every spelling a call may come back with."""
-    bare = Counter(name for _, name, _, _ in entries)
-    for namespace, name, desc, params in entries:
+    bare = Counter(entry[1] for entry in entries)
+    for namespace, name, desc, params, strict in entries:
         if namespace is None or bare[name] > 1 or namespace.endswith("_") or name.startswith("_"):
             shown = _joined(namespace, name)
         else:
@@ -138,7 +146,9 @@ def _name_tools(tools: Tools, entries: List[tuple]) -> None:
         tools.chat.append({"type": "function", "function": fn})
         tools.shown[(namespace, name)] = shown
         tools.calls[shown] = (namespace, name)
-    for namespace, name, _, _ in entries:  # other spellings a model may use for a namespaced call
+        if strict:
+            tools.strict[shown] = strict
+    for namespace, name, *_ in entries:  # other spellings a model may use for a namespaced call
         if namespace is not None:
             for alias in (_joined(namespace, name), f"{namespace}.{name}", namespace + name, name):
                 if alias != name or bare[name] == 1:

@@ -37,6 +37,7 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset ({}: greedy)
     chat_template_args: dict = field(default_factory=dict)  # template variables a request may override
     default_max_tokens: Optional[int] = None  # output limit of requests that set none (None: the context's end)
+    constrain_tool_calls: bool = False  # hold every call the model opens to its grammar (structured_output)
     created: int = field(default_factory=lambda: int(time.time()))
     # Parsing, validating, templating and tokenising run off the event loop, in two lanes of
     # one thread each (see `prepare`).

@@ -12,13 +12,18 @@ this file only bridges llguidance's matcher to those calls.
 
 When the prompt leaves `<think>` open the reasoning is free, and the schema holds from the
 token after `</think>`.
+
+Tool calls (tool_grammar.py) are held the same way: a forced call from the token after the
+opening the prompt ends with; a call the model opens itself (`serve --constrain-tool-calls`,
+or OpenAI's `strict: true` on a function) from the token after its own `<tool_call>` to its
+`</tool_call>`, text around calls left free (call_hold.py).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -189,17 +194,30 @@ def _anything_allowed(matcher) -> bool:
     return bool(set(allowed) - set(_MODEL["tok"].eos_token_ids))
 
 
-def hold_to_format(req, tok, fmt, where: str, prompt) -> None:
+def hold_to_format(req, tok, fmt, where: str, prompt, tools: Optional[List[dict]] = None,
+                   strict: Optional[Dict[str, str]] = None, constrain: bool = False) -> None:
     """Hold the engine request's answer to the format field `fmt` (named `where`), if it
     asks for one, and a forced tool call to the call's grammar. `prompt` (chat.Prompt): a
     turn that starts inside <think> is held from `</think>` on; a turn the server forces to
-    call a tool cannot also be held to a format."""
+    call a tool cannot also be held to a format.
+
+    `tools`: the function tools the model may call (chat completions' shape); `strict`: the
+    names of those marked `strict: true` -> where their parameters are in the request (a
+    schema llguidance cannot hold is a 400 naming it); `constrain`: hold every call the
+    model opens (serve --constrain-tool-calls). With either, a call the model opens in an
+    unforced turn is held to its grammar (call_hold.hold_calls)."""
+    from . import call_hold  # it builds on this module (matchers, processors): imported on use
+
+    call_hold.check_strict(tools or [], strict or {})
     schema = requested_schema(fmt, where)
     if prompt.opening and schema is not None:
         raise APIError(400, f"'{where}': a turn forced to call a tool (tool_choice) cannot also be held to "
                             "a format", param=where)
     if prompt.opening:
         _hold_call(req, tok, prompt)
+    elif schema is None and tools and (constrain or strict):
+        # (An answer held to a format never opens a call: its grammar has no <tool_call>.)
+        call_hold.hold_calls(req, tok, prompt, tools, strict or {}, constrain)
     if schema is None:
         return
     opens_after = tok.encode("</think>", add_special_tokens=False) if prompt.in_think else None
@@ -261,6 +279,10 @@ class GrammarProcessor:
         held = self._held(context[self.prompt_len :].tolist())  # not the prompt: it may be 100K tokens
         if held is None:
             return logits
+        return self._mask(held, logits)
+
+    def _mask(self, held: List[int], logits: mx.array) -> mx.array:
+        """`logits` with what the grammar refuses after the tokens `held` at -inf."""
         reached = self._reach(held)
         allowed = _allowed(self.matcher, logits.shape[-1]) if reached else None
         if self.matcher.is_error():

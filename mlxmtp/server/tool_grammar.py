@@ -14,19 +14,27 @@ turn ends with it. The two syntaxes the Qwen3 family writes (tool_parsers.py):
   in the schema's order (required ones always, others optionally); a string is raw text
   (anything but its closing tag), any other type the schema's JSON.
 
+The same grammar holds a call the model opens itself (`lazy`: from the token after its own
+`<tool_call>`; call_hold.CallProcessor), with `free` tools' arguments any object
+(OpenAI's `strict: true` holds only the tools that ask for it; the call around them is
+still well-formed).
+
 Written by hand: llguidance compiles grammars but knows neither call syntax.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 from . import schema_limits
 from .errors import APIError
 from .tool_parsers import RAW_TYPES, schema_type
 
 END = "</tool_call>"
+# What the model's own call writes after the `<tool_call>` token before a tool's name (as
+# chat.tool_call_opening writes it for a forced call).
+AFTER_OPEN_JSON, AFTER_OPEN_XML = "\n", "\n<function="
 # JSON inside a call as the Qwen3 templates write it (json.dumps's separators, no other
 # whitespace: a weak model held to bounded but free whitespace spent its tokens on it);
 # keywords llguidance cannot enforce are left unenforced (an agent's tool schemas are not
@@ -48,31 +56,47 @@ def functions(tools: List[dict]) -> List[tuple]:
     return out
 
 
-def call_grammar(tools: List[dict], forced: str, xml: bool, end_token: Optional[int]) -> Tuple[str, List[str]]:
+def call_grammar(tools: List[dict], forced: str, xml: bool, end_token: Optional[int], *, lazy: bool = False,
+                 free: Collection[str] = ()) -> Tuple[str, List[str]]:
     """(the Lark grammar of the call's continuation after its opening, the regular
     expressions its schemas hold): `forced` is a tool's name (the opening names it) or
     "required" (any of `tools`); `end_token`: the id of the tokenizer's own `</tool_call>`
-    token, which ends the call (None: the text does). A schema past schema_limits' bounds
-    is a 400."""
+    token, which ends the call (None: the text does). `lazy` (with "required"): the
+    continuation after the `<tool_call>` token alone, the model having opened the call
+    itself. `free`: names of tools whose arguments are any object (any parameters in XML),
+    their schemas neither read nor bounded. A held schema past schema_limits' bounds is a
+    400."""
     fns = functions(tools)
-    regexes = [r for i, (_, params) in enumerate(fns) for r in schema_limits.check_bounds(params, f"tools[{i}]")]
+    regexes = [r for i, (name, params) in enumerate(fns) if name not in free
+               for r in schema_limits.check_bounds(params, f"tools[{i}]")]
     tail = f"{_q(_tail(xml))} {_q(END) if end_token is None else f'<[{end_token}]>'}"
-    raw: Dict[str, str] = {}  # the raw-text terminals the XML values use, by name
+    raw: Dict[str, str] = {}  # the raw-text terminals the XML values use: name -> definition
     if forced != "required":
         params = dict(fns).get(forced, {"type": "object"})
         rules = [f"start: {_arguments(params, xml, raw)} {tail}\n"]
     elif not fns:
         raise APIError(400, "a forced tool call needs at least one function tool", param="tool_choice")
     else:
-        rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(fns))) + "\n"]
+        opening = f"{_q(AFTER_OPEN_XML if xml else AFTER_OPEN_JSON)} " if lazy else ""
+        rules = [f"start: {opening}(" + " | ".join(f"call_{i}" for i in range(len(fns))) + ")\n"]
         for i, (name, params) in enumerate(fns):
             head = _q(f"{name}>\n") if xml else _q(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":')
-            rules.append(f"call_{i}: {head} {_arguments(params, xml, raw)} {tail}\n")
-    return "".join(rules) + "".join(f"{name}: {_RAW_VALUE % span}\n" for name, span in raw.items()), regexes
+            args = _free_arguments(xml, raw) if name in free else _arguments(params, xml, raw)
+            rules.append(f"call_{i}: {head} {args} {tail}\n")
+    return "".join(rules) + "".join(f"{name}: {definition}\n" for name, definition in raw.items()), regexes
 
 
 def _arguments(params: dict, xml: bool, raw: Dict[str, str]) -> str:
     return _xml_parameters(params, raw) if xml else f'" " {_json(params)}'
+
+
+def _free_arguments(xml: bool, raw: Dict[str, str]) -> str:
+    """Arguments held to the call's syntax only: any JSON object; in XML any parameters,
+    each value raw text."""
+    if not xml:
+        return f'" " {_json({"type": "object"})}'
+    raw["FREE_PARAMETER"] = r"/<parameter=[^>\n]+>\n/"
+    return f"(FREE_PARAMETER {_raw_text(0, None, raw)})*"
 
 
 def _tail(xml: bool) -> str:
@@ -126,8 +150,13 @@ def _xml_value(schema, raw: Dict[str, str]) -> str:
     low, high = bounds.get("minLength", 0), bounds.get("maxLength")
     if not (isinstance(low, int) and isinstance(high, (int, type(None))) and 0 <= low <= (high or low)):
         low, high = 0, None  # bounds a client got wrong: the text is free
+    return _raw_text(low, high, raw)
+
+
+def _raw_text(low: int, high: Optional[int], raw: Dict[str, str]) -> str:
+    """The terminal of raw text of low..high characters and its closing tag."""
     name = f"RAW_{low}_{'N' if high is None else high}"
-    raw[name] = f"{low},{'' if high is None else high}"
+    raw[name] = _RAW_VALUE % f"{low},{'' if high is None else high}"
     return name
 
 
