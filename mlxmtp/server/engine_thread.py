@@ -34,6 +34,7 @@ STOP_WAIT = 5.0  # seconds a stopping server waits for the engine thread's step 
 # Seconds it waits beyond that for the prefix cache to be written to disk (a few GB of a
 # large model's states take seconds; an unfinished file is never used: see prefix_disk.py).
 SAVE_TIMEOUT = 300.0
+STARTING_LOG = 30.0  # seconds between the lines saying the engine is still starting
 
 
 class EngineBridge:
@@ -52,13 +53,21 @@ class EngineBridge:
         self.restarts = 0
 
     # ------------------------------------------------------------------ any thread
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: Optional[float] = None) -> None:
+        """Start the engine thread and wait until it serves: its first forwards page a large
+        model's weights in and its cost calibration runs them dozens of times, which can
+        take minutes on a cold disk or a busy machine, so by default it is waited for as
+        long as the thread lives (a line every STARTING_LOG seconds), not for a fixed time."""
         if self._thread is None:
             self._stop = False
             self._thread = threading.Thread(target=self._main, name="mlxmtp-engine", daemon=True)
             self._thread.start()
-            if not self._ready.wait(timeout):
-                raise RuntimeError("the engine thread did not start")
+            t0 = time.monotonic()
+            while not self._ready.wait(STARTING_LOG if timeout is None else timeout):
+                if timeout is not None or not self._thread.is_alive():
+                    raise RuntimeError("the engine thread did not start")
+                log.info("the engine is still starting (%.0f s): first forwards and cost calibration",
+                         time.monotonic() - t0)
             if self._start_error is not None:
                 raise RuntimeError(f"could not build the engine: {self._start_error}") from self._start_error
 
