@@ -94,13 +94,14 @@ def test_a_distributed_server_s_ranks_get_the_same_prefix_cache_settings(model_d
     rank1 = mock.Mock(rank=lambda: 1, size=lambda: 2)
     with mock.patch("mlxmtp.distributed.group.launched_group", return_value=rank1), \
             mock.patch("mlxmtp.server.cli._load", return_value=loaded) as _load, \
-            mock.patch("mlxmtp.server.cli._follow") as follow:
+            mock.patch("mlxmtp.distributed.engine.DistributedEngine") as engine:
         res = CliRunner().invoke(main, ["serve", "--model", str(model_dir), "--prompt-cache-bytes", "1M",
                                         "--prompt-cache-size", "4", "--decode-concurrency", "2"])
     assert res.exit_code == 0, res.output
     settings = _load.call_args.args[2]  # what check_same_setup compares across the ranks
     assert settings["prefix_cache_entries"] == 4 and settings["prefix_cache_mb"] * 2**20 == 10**6
-    options = follow.call_args.args[4]
+    assert engine.return_value.follow.called  # rank 1 followed rank 0 with the engine built here
+    options = engine.call_args.kwargs
     assert (options["prefix_cache_bytes"], options["prefix_cache_entries"], options["max_batch"]) == (10**6, 4, 2)
 
 
