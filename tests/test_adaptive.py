@@ -82,6 +82,7 @@ def test_probes_from_plain_decoding_pay_for_the_switch(seed):
     assert tps > 0.98
 
 
+@pytest.mark.slow
 def test_no_frequent_probes_where_even_perfect_drafts_would_not_pay():
     # A verify of k+1 tokens costs 1 + 1.2k steps (this CPU's quantized kernels, draft step
     # included): k+1 tokens per cycle at best lose to plain decoding, so acceptance has

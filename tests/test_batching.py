@@ -60,6 +60,7 @@ def test_concurrent_requests_equal_solo(fixture_model, family, n, mtp):
     assert eng.cache is None and not eng.rows  # everyone left, slots freed
 
 
+@pytest.mark.slow
 def test_adaptive_depth_batch_equals_solo(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_6_moe")["hf"]))
     schedule, expected = [], {}
@@ -86,6 +87,7 @@ def test_cancel_mid_flight_leaves_others_unchanged(fixture_model):
         assert outs[r.id] == expected[r.id]
 
 
+@pytest.mark.slow
 def test_long_prompt_joining_does_not_change_others(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_next")["hf"]))
     short = [Request(prompt=prompt_of(6, seed=i), max_tokens=60) for i in range(3)]

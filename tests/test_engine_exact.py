@@ -52,6 +52,7 @@ def _run_forced(model, tok, prompt, want, k, p_correct, seed, **kw):
     return got, events[-1].stats, eng
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_greedy_identity_with_every_acceptance_length(fixture_model, family, k):

@@ -89,6 +89,7 @@ MODES = {"synchronous": {}, "pipelined": {"pipeline_drafts": True}, "compiled": 
          "pipelined, compiled": {"pipeline_drafts": True, "compile_steps": True}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,mode", [(f, m) for f in ("qwen3_5", "qwen3_next") for m in list(MODES)[:3]]
                          + [("qwen3_6_moe", "compiled"), ("qwen3_5", "pipelined, compiled")])
 @pytest.mark.parametrize("k", [1, 4])
