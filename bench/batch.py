@@ -26,6 +26,7 @@ import statistics
 import time
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.load import load
@@ -44,7 +45,7 @@ def pct(xs, q):
 
 
 def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None):
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=num_draft, max_batch=max(n, 1))
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=num_draft, max_batch=max(n, 1)))
     t0 = time.perf_counter()
     first, last, gaps, counts = {}, {}, [], {}
     ids = []
@@ -87,7 +88,7 @@ def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None):
 def join_gaps(model, tok, joiners, max_tokens):
     """(longest, median) seconds between a running stream's events while `joiners`
     requests join it after its first 20 tokens (MTP on)."""
-    eng = BatchGenerator(model, tok, max_batch=joiners + 1)
+    eng = BatchGenerator(model, tok, EngineConfig(max_batch=joiners + 1))
     rid = eng.submit(Request(prompt=tok.encode(PROMPTS[2]), max_tokens=max_tokens))
     last, gaps, n, joined = None, [], 0, False
     while eng.has_work:

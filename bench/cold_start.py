@@ -35,7 +35,7 @@ def run_once(model, setting: str, args) -> dict:
     env = dict(os.environ)
     if setting == "baseline":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "mlxmtp.cli", "generate", "--prompt", args.prompt, "--no-chat-template",
+    cmd = [sys.executable, "-m", "mlxmtp.commands", "generate", "--prompt", args.prompt, "--no-chat-template",
            "--temp", str(args.temp), "--max-tokens", str(args.max_tokens), "--json"]
     cmd += ["--model", model] if model else []
     cmd += ["--seed", "0"] if args.temp > 0 else []

@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlxmtp.engine import batch as batch_mod
 from mlxmtp.engine import cycle
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm import adapter
@@ -65,7 +66,8 @@ def instrument(times):
 def profile_depth(model, tok, prompt, k, max_tokens, compile_steps=False, temp=0.0):
     """One request at depth k (sampled at `temp`) -> {part: ms per cycle}, tokens per cycle, tok/s."""
     times = {p: 0.0 for p in PARTS if p != "other"}
-    engine = BatchGenerator(model, tok, enable_mtp=True, num_draft=k, profile=True, compile_steps=compile_steps)
+    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=True, num_draft=k, profile=True,
+                                                     compile_steps=compile_steps))
     undo = instrument(times)
     try:
         t = time.perf_counter()
@@ -114,8 +116,9 @@ def new_lengths(model, tok, k, lengths, max_tokens, compile_steps=False):
     rows = []
     for n in lengths:
         prompt = base[:n]
-        first = generate(model, tok, prompt, max_tokens=max_tokens, num_draft=k, compile_steps=compile_steps).stats
-        second = generate(model, tok, prompt, max_tokens=max_tokens, num_draft=k, compile_steps=compile_steps).stats
+        config = EngineConfig(num_draft=k, compile_steps=compile_steps)
+        first = generate(model, tok, prompt, max_tokens=max_tokens, config=config).stats
+        second = generate(model, tok, prompt, max_tokens=max_tokens, config=config).stats
         rows.append((n, first.decode_tokens / first.decode_seconds, second.decode_tokens / second.decode_seconds))
     return rows
 

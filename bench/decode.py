@@ -33,6 +33,7 @@ import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm import adapter
@@ -104,8 +105,8 @@ def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out, options=None):
     """mlxmtp on the engine the server runs (k: 0 = MTP off, a pinned depth, or "adaptive";
     `options`: more engine options): returns (generator of tokens produced per step and
     then None, the engine); the request's stats land in out["stats"]."""
-    engine = BatchGenerator(model, tok, enable_mtp=k != 0, num_draft=None if k in (0, "adaptive") else k,
-                            **(options or {}))
+    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=k != 0, num_draft=None if k in (0, "adaptive") else k,
+                                                     **(options or {})))
 
     def tokens():
         for ev in stream_generate(model, tok, prompt, max_tokens=n, engine=engine,
@@ -280,7 +281,7 @@ def model_path(name, tmp):
         from quantized_demo import quantized_demo
 
         return str(quantized_demo(f"{tmp}/demo-4bit", bits=4)), True
-    from mlxmtp.models.load import inspect_model
+    from mlxmtp.models.inspection import inspect_model
 
     return name, bool(inspect_model(name).get("quantization"))
 

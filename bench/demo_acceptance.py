@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
@@ -25,7 +26,8 @@ def main():
     for k in [int(d) for d in args.depths.split(",")]:
         accs, tpf = [], []
         for name, prompt in HELD_OUT_PROMPTS.items():
-            s = generate(model, tok, tok.encode(prompt), max_tokens=args.max_tokens, num_draft=k).stats.as_dict()
+            s = generate(model, tok, tok.encode(prompt), max_tokens=args.max_tokens,
+                         config=EngineConfig(num_draft=k)).stats.as_dict()
             accs.append(s["acceptance"])
             tpf.append(s["tokens_per_forward"])
             print(f"k={k} {name:10} acceptance {s['acceptance']:.2f}  by position "

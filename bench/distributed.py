@@ -28,10 +28,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 
-SETTINGS = {"MTP off": dict(enable_mtp=False), "MTP adaptive": dict(enable_mtp=True)}
+SETTINGS = {"MTP off": EngineConfig(enable_mtp=False), "MTP adaptive": EngineConfig(enable_mtp=True)}
 
 
 def decode(engine_for, tok, prompts, max_tokens):
@@ -77,14 +78,14 @@ def worker(args):
     from mlxmtp.distributed.load import load_on_rank
 
     group = launched_group()
-    model, tok, _ = load_on_rank(group, args.model, {})
+    model, tok, _ = load_on_rank(group, args.model, EngineConfig())
     prompts = list(HELD_OUT_PROMPTS.values())[: args.prompts + 1]
     out = {}
-    for name, options in SETTINGS.items():
+    for name, config in SETTINGS.items():
         engines = []
 
-        def engine_for(engines=engines, options=options):
-            engines.append(DistributedEngine(model, tok, group=group, **options))
+        def engine_for(engines=engines, config=config):
+            engines.append(DistributedEngine(model, tok, config, group=group))
             return engines[-1]
 
         if group.rank() > 0:
@@ -111,8 +112,8 @@ def one_rank(args):
     model, tok = load(args.model)
     prompts = list(HELD_OUT_PROMPTS.values())[: args.prompts + 1]
     out = {}
-    for name, options in SETTINGS.items():
-        rate, cycles, tokens = decode(lambda options=options: BatchGenerator(model, tok, **options), tok, prompts,
+    for name, config in SETTINGS.items():
+        rate, cycles, tokens = decode(lambda config=config: BatchGenerator(model, tok, config), tok, prompts,
                                       args.max_tokens)
         out[name] = dict(rate=rate, cycles=cycles, tokens=tokens)
     return out

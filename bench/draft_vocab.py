@@ -10,7 +10,7 @@ embeddings. bf16, and 4-bit (mlx.nn.quantize, group 64, as mlx-lm quantizes the 
 add-mtp-weights the head).
 
 Device-neutral: runs on MLX's default device. Unquantized heads compute in float32 on
-the CPU, as models.load.build_head makes them there. All settings live in one process
+the CPU, as models.head_build.build_head makes them there. All settings live in one process
 and every round times each of them in turn (this shared machine's speed drifts); the
 table gives medians over rounds.
 
@@ -71,7 +71,7 @@ def build(table: mx.array, bits: int, context: int, trim: int):
     compute = mx.bfloat16
     if bits:  # the head quantized as add-mtp-weights does (every Linear, group 64)
         nn.quantize(head, group_size=64, bits=bits)
-    elif mx.default_device() == mx.cpu:  # what load.build_head does on the CPU
+    elif mx.default_device() == mx.cpu:  # what head_build.build_head does on the CPU
         head.update(tree_map(lambda a: a.astype(mx.float32), head.parameters()))
         compute = mx.float32
     mx.eval(embed.parameters(), head.parameters())

@@ -30,6 +30,7 @@ from decode import PROMPTS, model_path
 from mlx_lm.sample_utils import make_sampler
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
@@ -60,7 +61,7 @@ def count_mlx_lm(model, tok, prompt, n, temp, seed):
 
 def count_engine(model, tok, prompt, n, temp, seed, options):
     """The same for one request on the engine the server runs, with engine `options`."""
-    engine = BatchGenerator(model, tok, **{"enable_mtp": True, **options})
+    engine = BatchGenerator(model, tok, EngineConfig(**{"enable_mtp": True, **options}))
     engine.calibrate(1)  # the server calibrates at start-up, before any request
     got, cycles, stats = 0, engine.cycles, None
     with OpCounter() as ops:
@@ -105,7 +106,7 @@ BATCH_PARAMS = [("temperature 0.7", {"temperature": 0.7}),
 def batch_ops_per_cycle(model, tok, prompts, rows, params, k, steps=20):
     """Operations per decode cycle of `rows` requests decoding together at depth k (0: MTP
     off), counted over `steps` engine steps once all have started."""
-    engine = BatchGenerator(model, tok, enable_mtp=k > 0, num_draft=k or None)
+    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=k > 0, num_draft=k or None))
     for b in range(rows):
         engine.submit(Request(prompt=prompts[b % len(prompts)], max_tokens=steps * (k + 1) + 20,
                               params=SamplingParams(**params, seed=b)))

@@ -52,13 +52,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m mlxmtp.cli serve ...` in a subprocess; its log goes to a temporary file
+    """`python -m mlxmtp.commands serve ...` in a subprocess; its log goes to a temporary file
     (a pipe nobody reads would fill up and block the server)."""
 
     def __init__(self, model: Optional[str] = None, port: int = 0, extra: Sequence[str] = (),
                  log_level: str = "warning", env: Optional[dict] = None):
         self.port = port or free_port()
-        self.cmd = [sys.executable, "-m", "mlxmtp.cli", "serve", "--port", str(self.port), "--log-level", log_level]
+        self.cmd = [sys.executable, "-m", "mlxmtp.commands", "serve", "--port", str(self.port), "--log-level", log_level]
         if model:
             self.cmd += ["--model", str(model)]
         self.cmd += list(extra)

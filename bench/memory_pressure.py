@@ -24,7 +24,7 @@ from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 
 
 def start(port: int, model, extra) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mlxmtp.cli", "serve", "--port", str(port), *(["--model", model] if model else []),
+    cmd = [sys.executable, "-m", "mlxmtp.commands", "serve", "--port", str(port), *(["--model", model] if model else []),
            *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):

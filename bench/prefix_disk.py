@@ -27,6 +27,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from mlxmtp.engine import prefix_disk
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.prefix_cache import PrefixEntry
 from mlxmtp.engine.prefix_disk import DiskPrefixStore
 from mlxmtp.engine.request import Request
@@ -70,7 +71,7 @@ def drop_from_page_cache(folder: Path) -> None:
 
 
 def engine(model, tok, folder: Path) -> BatchGenerator:
-    eng = BatchGenerator(model, tok, prefix_cache_bytes=4 << 30)
+    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=4 << 30))
     prefix_disk.attach(eng, folder, 16 << 30)
     return eng
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 from decode import PROMPT, model_path
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import adapter, row_attention
 from mlxmtp.models.load import load
@@ -36,8 +37,8 @@ def prompts(tok, long: int, short: int, n_short: int):
 
 def decoding_batch(model, tok, prompts_, depth: int, tokens: int, shape_stable=None):
     """An engine whose rows have all been prefilled and are decoding."""
-    eng = BatchGenerator(model, tok, enable_mtp=depth > 0, num_draft=depth or None, prefill_step=2048,
-                         shape_stable=shape_stable)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=depth > 0, num_draft=depth or None, prefill_step=2048,
+                                                  shape_stable=shape_stable))
     for p in prompts_:
         eng.submit(Request(prompt=p, max_tokens=tokens))
     while eng.waiting or len(eng.rows) < len(prompts_):

@@ -22,6 +22,7 @@ import mlx.core as mx
 from decode import PROMPT, model_path
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import adapter
 from mlxmtp.models.load import load
@@ -30,7 +31,7 @@ from mlxmtp.models.load import load
 def short_row_speed(model, tok, short, long, k, tokens):
     """(tok/s of `short` once `long` (None: alone) has left the batch, the attention buffers'
     capacity then)."""
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, shape_stable=True))
     if long is not None:
         eng.submit(Request(prompt=long, max_tokens=2))
     req = Request(prompt=short, max_tokens=tokens)

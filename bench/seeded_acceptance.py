@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
@@ -22,7 +23,7 @@ from mlxmtp.models.load import load
 def _run(model, tok, prompt, temp, seed, reproducible, depth, max_tokens):
     params = SamplingParams(temperature=temp, seed=seed, reproducible=reproducible)
     return generate(model, tok, tok.encode(prompt), max_tokens=max_tokens, params=params,
-                    num_draft=depth).stats.as_dict()
+                    config=EngineConfig(num_draft=depth)).stats.as_dict()
 
 
 def _row(name, runs):

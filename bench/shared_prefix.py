@@ -28,7 +28,7 @@ QUESTIONS = ["Write a function that reverses a list.", "Explain recursion briefl
 
 
 def start_server(port: int, model) -> subprocess.Popen:
-    args = [sys.executable, "-m", "mlxmtp.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    args = [sys.executable, "-m", "mlxmtp.commands", "serve", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(args + (["--model", model] if model else []), stdout=subprocess.DEVNULL)
     for _ in range(600):
         try:

@@ -21,6 +21,7 @@ import mlx_lm
 from decode import PROMPTS, interleaved, model_path
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.load import load
@@ -46,7 +47,8 @@ def mlx_lm_side(ref, tok, prompt, n, grammar):
 
 
 def mlxmtp_side(model, tok, prompt, n, grammar, k):
-    engine = BatchGenerator(model, tok, enable_mtp=k != 0, num_draft=k if isinstance(k, int) and k else None)
+    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=k != 0,
+                                                     num_draft=k if isinstance(k, int) and k else None))
     procs = [] if k == "free" else held(tok, prompt, grammar)
 
     def tokens():

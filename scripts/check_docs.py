@@ -25,7 +25,7 @@ def table_flags(readme: str) -> set:
 
 
 def serve_flags() -> set:
-    from mlxmtp.server.cli import serve
+    from mlxmtp.commands.serve import serve
 
     flags = set()
     for param in serve.params:

@@ -675,7 +675,7 @@ def cmd_package(args) -> None:
     write_mlx_conversion(hf16, dest, dtype="float16")
     if card is not None:
         (dest / "README.md").write_text(card)
-    cmd = [sys.executable, "-m", "mlxmtp.cli", "add-mtp-weights", "--model", str(dest), "--source", str(hf16),
+    cmd = [sys.executable, "-m", "mlxmtp.commands", "add-mtp-weights", "--model", str(dest), "--source", str(hf16),
            "--bits", "16"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode == 0:

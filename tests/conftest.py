@@ -41,22 +41,26 @@ def server_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def start_server(server_model):
-    """``start_server(scripts=None, *, hook=None, tok=None, **create_app_options)``: a
-    started ServerThread on ``server_model``, stopped at the end of the module. With
-    ``scripts`` the request hook is a server_helpers.Hook forcing them; ``hook`` gives
+    """``start_server(scripts=None, *, hook=None, tok=None, engine=None, **server)``: a
+    started ServerThread on ``server_model``, stopped at the end of the module, with the
+    ServerConfig of ``server``'s fields and the EngineConfig ``engine`` (None: create_app's
+    default, server.config.SERVED_ENGINE; server_helpers.served_engine changes fields of it).
+    With ``scripts`` the request hook is a server_helpers.Hook forcing them; ``hook`` gives
     one of the test's own; ``tok`` another tokenizer (template) on the same weights."""
     from server_helpers import Hook, ServerThread
 
     from mlxmtp.server.app import create_app
+    from mlxmtp.server.config import SERVED_ENGINE, ServerConfig
 
     model, default_tok = server_model
     with contextlib.ExitStack() as stack:
 
-        def start(scripts=None, *, hook=None, tok=None, **options):
+        def start(scripts=None, *, hook=None, tok=None, engine=None, **server):
             tok = tok or default_tok
             if hook is None and scripts is not None:
                 hook = Hook(tok, scripts)
-            srv = stack.enter_context(ServerThread(create_app(model, tok, request_hook=hook, **options)))
+            app = create_app(model, tok, ServerConfig(**server), engine or SERVED_ENGINE, request_hook=hook)
+            srv = stack.enter_context(ServerThread(app))
             srv.hook = hook
             return srv
 

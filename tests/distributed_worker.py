@@ -13,6 +13,7 @@ import json
 from mlxmtp.distributed.engine import DistributedEngine
 from mlxmtp.distributed.group import launched_group
 from mlxmtp.distributed.load import load_on_rank
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 
@@ -44,7 +45,7 @@ def greedy(group, model, tok, prompts, max_tokens):
     out = {}
     for k in [0, 1, 2, 3, 4, None]:
         for batch in (1, 4):
-            engine = DistributedEngine(model, tok, group=group, num_draft=k, dist_timeout=120)
+            engine = DistributedEngine(model, tok, EngineConfig(num_draft=k), group=group, dist_timeout=120)
             requests = [Request(prompt=p, max_tokens=max_tokens) for p in prompts]
             batches = [requests[i : i + batch] for i in range(0, len(requests), batch)]
             out[f"k={'adaptive' if k is None else k}/B={batch}"] = run(engine, batches)
@@ -52,7 +53,7 @@ def greedy(group, model, tok, prompts, max_tokens):
 
 
 def sample(group, model, tok, n, seed0, temperature):
-    engine = DistributedEngine(model, tok, group=group, num_draft=2, max_batch=64, dist_timeout=120)
+    engine = DistributedEngine(model, tok, EngineConfig(num_draft=2, max_batch=64), group=group, dist_timeout=120)
     prompt = [5, 17, 42, 9, 33, 2]
     return run(engine, [[Request(prompt=prompt, max_tokens=3, params=SamplingParams(temperature=temperature, seed=s))
                          for s in range(seed0, seed0 + n)]])
@@ -69,7 +70,7 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.5)
     a = ap.parse_args()
     group = launched_group()
-    model, tok, plan = load_on_rank(group, a.model, {})
+    model, tok, plan = load_on_rank(group, a.model, EngineConfig())
     if a.job == "disagree" and group.rank() == 1:
         read = DistributedEngine._read
 

@@ -24,14 +24,24 @@ def loaded(path: str):
     return model, tok, ref
 
 
+# (id of the model, prompt, n) -> (the model, its output): many tests decode the same
+# prompts with the same fixture models (`loaded` keeps them for the session); the model is
+# held in the value so that its id cannot be reused by another.
+_REFERENCE_OUTPUTS = {}
+
+
 def reference_greedy(ref_model, prompt, n):
-    """mlx-lm's own greedy decoding: the ground truth every MTP setting must match."""
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n):
-        out.append(int(tok))
-        if len(out) == n:
-            break
-    return out
+    """mlx-lm's own greedy decoding: the ground truth every MTP setting must match
+    (computed once per model, prompt and length)."""
+    key = (id(ref_model), tuple(prompt), n)
+    if key not in _REFERENCE_OUTPUTS:
+        out = []
+        for tok, _ in generate_step(mx.array(prompt), ref_model, max_tokens=n):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        _REFERENCE_OUTPUTS[key] = (ref_model, out)
+    return list(_REFERENCE_OUTPUTS[key][1])
 
 
 def prompt_of(length: int, seed: int = 0, vocab: int = 290):
@@ -83,9 +93,9 @@ def calibration_calls(monkeypatch) -> list:
 
 
 def hub_from_folder(monkeypatch, source: Path, cache: Path, repo_id: str) -> None:
-    """models.load fetches `repo_id` from a copy of the local folder `source` into `cache`,
+    """models.hub fetches `repo_id` from a copy of the local folder `source` into `cache`,
     file by file as huggingface_hub's snapshot_download does by its allow_patterns."""
-    from mlxmtp.models import load as models_load
+    from mlxmtp.models import hub
 
     def fake_snapshot_download(repo, revision=None, allow_patterns=()):
         assert repo == repo_id
@@ -96,4 +106,4 @@ def hub_from_folder(monkeypatch, source: Path, cache: Path, repo_id: str) -> Non
                 shutil.copy(f, cache / rel)
         return str(cache)
 
-    monkeypatch.setattr(models_load, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)

@@ -10,6 +10,7 @@ tool-call / thinking parsing can be checked end to end through HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import socket
@@ -21,8 +22,16 @@ from pathlib import Path
 import mlx.core as mx
 import uvicorn
 
+from mlxmtp.engine.config import EngineConfig
+from mlxmtp.server.config import SERVED_ENGINE
+
 EOS_ID = 298  # <|im_end|> in the fixture tokenizer
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def served_engine(**fields) -> EngineConfig:
+    """The engine create_app runs by default (server.config.SERVED_ENGINE) with `fields` changed."""
+    return dataclasses.replace(SERVED_ENGINE, **fields)
 
 
 def free_port() -> int:

@@ -13,11 +13,13 @@ from click.testing import CliRunner
 from engine_helpers import oracle_hook, prompt_of, reference_greedy
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxmtp.cli import main
+from mlxmtp.commands.main import main
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.request import Request
-from mlxmtp.models.load import MTPLoadError, load
+from mlxmtp.models.errors import MTPLoadError
+from mlxmtp.models.load import load
 
 LORA = {"rank": 4, "scale": 10.0, "dropout": 0.0}
 
@@ -58,14 +60,14 @@ def test_adapted_greedy_output_is_mlx_lm_s_at_every_depth(adapted):
     base, _ = mlx_lm.load(str(path))
     assert reference_greedy(base, prompt, 80) != want  # the adapters change the model's output
     for k in (0, 1, 3, None):
-        assert generate(model, tok, prompt, max_tokens=80, num_draft=k).token_ids == want, k
+        assert generate(model, tok, prompt, max_tokens=80, config=EngineConfig(num_draft=k)).token_ids == want, k
 
 
 def test_adapted_model_rolls_back_exactly_with_every_acceptance_length(adapted):
     _, _, model, tok, ref = adapted
     prompt = prompt_of(17, seed=5)
     want = reference_greedy(ref, prompt, 60)
-    eng = BatchGenerator(model, tok, num_draft=3)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3))
     req = Request(prompt=prompt, max_tokens=len(want))
     eng.submit(req)
     eng.draft_hook = oracle_hook({req.id: want}, p_correct=0.7, seed=1)

@@ -13,10 +13,12 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
 from mlxmtp.checkpoint import hf_head, mtp_folder
+from mlxmtp.commands.add_mtp_weights import add_mtp_weights as cli
 from mlxmtp.convert import add_mtp_weights as amw
-from mlxmtp.convert.cli import add_mtp_weights as cli
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.mlxlm.family import text_parts
+from mlxmtp.models import attach, errors, head_build, head_source
 from mlxmtp.models import load as L
 from mlxmtp.testing import fixtures as fx
 
@@ -58,7 +60,7 @@ def _snapshot(folder: Path) -> dict:
 def _no_half_head(folder: Path):
     assert not (folder / "mtp").exists()
     assert not list(folder.glob(".mtp-*"))
-    assert L.locate_head(folder) is None
+    assert head_source.locate_head(folder) is None
 
 
 _HF = {}
@@ -135,19 +137,19 @@ def test_repair_family(tmp_path, fixture_models, name, bits):
     assert agree >= AGREE_MIN[bits], agree
 
     # (d) greedy generation with MTP equals without; acceptance close to the HF head's.
-    on = generate(model, tok, prompt, max_tokens=40, enable_mtp=True, num_draft=2)
-    off = generate(model, tok, prompt, max_tokens=40, enable_mtp=False)
+    on = generate(model, tok, prompt, max_tokens=40, config=EngineConfig(enable_mtp=True, num_draft=2))
+    off = generate(model, tok, prompt, max_tokens=40, config=EngineConfig(enable_mtp=False))
     assert on.token_ids == off.token_ids
     acc = on.stats.as_dict()["acceptance"]
-    hf_acc = generate(hf_model, tok, prompt, max_tokens=40, enable_mtp=True,
-                      num_draft=2).stats.as_dict()["acceptance"]
+    hf_acc = generate(hf_model, tok, prompt, max_tokens=40,
+                      config=EngineConfig(enable_mtp=True, num_draft=2)).stats.as_dict()["acceptance"]
     # Random fixture heads: both near 0; the main models differ (quantized vs fp32) too.
     assert abs(acc - hf_acc) <= 0.2, (acc, hf_acc)
     # The same quantized model with the unquantized HF head: isolates head quantization.
     same, _ = mlx_lm.load(str(target))
-    L.attach_mtp(same, hf)
-    ref_acc = generate(same, tok, prompt, max_tokens=40, enable_mtp=True,
-                       num_draft=2).stats.as_dict()["acceptance"]
+    attach.attach_mtp(same, hf)
+    ref_acc = generate(same, tok, prompt, max_tokens=40,
+                       config=EngineConfig(enable_mtp=True, num_draft=2)).stats.as_dict()["acceptance"]
     assert abs(acc - ref_acc) <= 0.15, (acc, ref_acc)
 
 
@@ -293,14 +295,14 @@ def test_kill_during_write_leaves_no_half_head(tmp_path, fixture_models, monkeyp
     assert _snapshot(target) == before
     _no_half_head(target)
     mlx_lm.load(str(target))
-    with pytest.raises(L.MissingMTPHeadError):
+    with pytest.raises(errors.MissingMTPHeadError):
         L.load(str(target))
     # A real SIGKILL skips the cleanup: the stale temp folder is invisible to both loaders
     # and the next run removes it.
     stale = target / f".mtp-tmp-{DEAD_PID}-killed"
     stale.mkdir()
     (stale / "weights.safetensors").write_bytes(b"half")
-    assert L.locate_head(target) is None
+    assert head_source.locate_head(target) is None
     mlx_lm.load(str(target))
     _repair(target, hf)
     assert not stale.exists()
@@ -364,7 +366,7 @@ def test_quantization_dict_rebuilds_shapes(tmp_path, fixture_models):
     q = cfg["quantization"]
     assert q["group_size"] == 32 and q["layers.0.mlp.gate"] == {"group_size": 64, "bits": 8, "mode": "affine"}
     model, _ = mlx_lm.load(str(target))
-    head = L.build_head(text_parts(model), weights, cfg, q)
+    head = head_build.build_head(text_parts(model), weights, cfg, q)
     shapes = {k: v.shape for k, v in tree_flatten(head.parameters())}
     assert shapes == {k: v.shape for k, v in weights.items()}
     assert head.fc.group_size == 32 and head.layers[0].mlp.gate.group_size == 64
@@ -404,7 +406,7 @@ def test_the_demo_repairs_a_quantized_copy_of_itself_offline(tmp_path, monkeypat
                for k in shipped)
 
     q4 = fx.write_mlx_conversion(demo.PACKAGED, tmp_path / "demo-4bit", bits=4)
-    assert L.locate_head(q4) is None
+    assert head_source.locate_head(q4) is None
     res = _repair(q4, "mlxmtp-demo")
     assert "source:  mlxmtp-demo ->" in res.output and "4-bit" in res.output
     cfg, _ = mtp_folder.read_mtp_folder(q4)

@@ -16,8 +16,9 @@ from test_add_mtp_weights import DEAD_PID, _copy, _snapshot
 
 from mlxmtp.checkpoint import mtp_folder
 from mlxmtp.checkpoint.tensor_files import read_header
+from mlxmtp.commands.add_mtp_weights import add_mtp_weights as cli
 from mlxmtp.convert import add_mtp_weights as amw
-from mlxmtp.convert.cli import add_mtp_weights as cli
+from mlxmtp.models import errors
 from mlxmtp.models import load as L
 
 
@@ -76,7 +77,7 @@ def _break(folder: Path, how: str) -> None:
 def test_incomplete_mtp_folder_is_replaced(target, hf, how):
     assert _run("--model", target, "--source", hf).exit_code == 0
     _break(target / "mtp", how)
-    with pytest.raises(L.MTPLoadError):  # no head, or an unreadable one: "Repair it with ..."
+    with pytest.raises(errors.MTPLoadError):  # no head, or an unreadable one: "Repair it with ..."
         L.load(str(target))
     res = _run("--model", target, "--source", hf)
     assert res.exit_code == 0, res.output
@@ -221,7 +222,7 @@ def test_swap_killed_between_renames_is_recovered(tmp_path, fixture_models, targ
     new = shutil.copytree(_head_copy(tmp_path, fixture_models, 8), target / f".mtp-tmp-{DEAD_PID}-abc")
     if not whole_new:
         (new / mtp_folder.CONFIG).unlink()  # killed before config.json, which comes last
-    with pytest.raises(L.MissingMTPHeadError):
+    with pytest.raises(errors.MissingMTPHeadError):
         L.load(str(target))
     before = _snapshot(target)
     res = _run("--model", target, "--source", hf, "--dry-run")
@@ -278,7 +279,7 @@ def test_killed_between_renames_with_only_the_old_head(target, hf, exited_pid, f
     head in .mtp-old-PID only. The next run puts it back (and --force then replaces it)."""
     assert _run("--model", target, "--source", hf).exit_code == 0
     os.replace(target / "mtp", target / f".mtp-old-{exited_pid}")
-    with pytest.raises(L.MissingMTPHeadError, match=f".mtp-old-{exited_pid}"):
+    with pytest.raises(errors.MissingMTPHeadError, match=f".mtp-old-{exited_pid}"):
         L.load(str(target))
     res = _run("--model", target, "--source", hf, *(["--force", "--bits", "8"] if force else []))
     assert res.exit_code == 0, res.output

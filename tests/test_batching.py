@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.prefix_trie import PrefixTrie
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
@@ -51,8 +52,8 @@ def test_concurrent_requests_equal_solo(fixture_model, family, n, mtp):
         if not sampled:
             expected[req.id] = reference_greedy(ref, prompt, max_tokens)
         schedule.append((rng.choice([0, 0, 3, 10]), req))
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=3 if mtp else None, max_batch=16,
-                         prefill_step=64)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=3 if mtp else None, max_batch=16,
+                                                  prefill_step=64))
     outs, reasons = run_schedule(eng, schedule, hook_expected=expected if mtp else None)
     for rid, want in expected.items():
         assert outs[rid] == want, rid
@@ -69,7 +70,7 @@ def test_adaptive_depth_batch_equals_solo(fixture_model):
         req = Request(prompt=prompt, max_tokens=40)
         expected[req.id] = reference_greedy(ref, prompt, 40)
         schedule.append((i, req))
-    eng = BatchGenerator(model, tok, enable_mtp=True, max_batch=8)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=True, max_batch=8))
     outs, _ = run_schedule(eng, schedule, hook_expected=expected)
     assert all(outs[r] == w for r, w in expected.items())
 
@@ -78,7 +79,7 @@ def test_cancel_mid_flight_leaves_others_unchanged(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     reqs = [Request(prompt=prompt_of(10 + i, seed=i), max_tokens=50) for i in range(4)]
     expected = {r.id: reference_greedy(ref, r.prompt, 50) for r in reqs}
-    eng = BatchGenerator(model, tok, num_draft=2)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2))
     outs, reasons = run_schedule(eng, [(0, r) for r in reqs], hook_expected=expected,
                                  cancel_at={6: reqs[1].id})
     assert reasons[reqs[1].id] == "cancelled"
@@ -93,7 +94,7 @@ def test_long_prompt_joining_does_not_change_others(fixture_model):
     short = [Request(prompt=prompt_of(6, seed=i), max_tokens=60) for i in range(3)]
     long = Request(prompt=prompt_of(700, seed=99), max_tokens=20)
     expected = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in short + [long]}
-    eng = BatchGenerator(model, tok, num_draft=2, prefill_step=128)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2, prefill_step=128))
     outs, _ = run_schedule(eng, [(0, r) for r in short] + [(4, long)], hook_expected=expected)
     assert all(outs[r] == w for r, w in expected.items())
 
@@ -103,7 +104,7 @@ def test_prefix_cache_hit_equals_miss(fixture_model, mtp):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     system = prompt_of(80, seed=1)
     turn1 = system + prompt_of(5, seed=2)
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=2, prefix_cache_bytes=256 << 20)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=2, prefix_cache_bytes=256 << 20))
     miss = Request(prompt=turn1, max_tokens=30)
     out1, _ = run_schedule(eng, [(0, miss)])
     # Same prompt again (exact hit), a longer one sharing the prompt (prefix hit), and one
@@ -128,7 +129,7 @@ def test_a_conversation_continues_from_the_state_its_pipelined_turn_left(fixture
     read on its own (drained), the state covers all but the last. The next turn starts
     from it, with the output of a fresh start."""
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=0, prefix_cache_bytes=256 << 20)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=0, prefix_cache_bytes=256 << 20))
     turn1 = prompt_of(40, seed=5)
     eng.submit(Request(prompt=turn1, max_tokens=20))
     out1 = []
@@ -152,7 +153,7 @@ def test_a_conversation_continues_from_the_state_its_pipelined_turn_left(fixture
 
 def test_prefix_cache_evicts_under_memory_bound(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, prefix_cache_bytes=600_000)
+    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=600_000))
     reqs = [Request(prompt=prompt_of(200, seed=i), max_tokens=4) for i in range(6)]
     outs, _ = run_schedule(eng, [(i * 3, r) for i, r in enumerate(reqs)])
     assert eng.prefix_cache.bytes <= 600_000
@@ -167,7 +168,7 @@ def test_prefix_cache_holds_only_the_bytes_it_counts(fixture_model, shape_stable
     stored as a view of the batch's caches would keep every row's KV, at the buffer's
     capacity, and every row's Gated DeltaNet state."""
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=2, prefix_cache_bytes=256 << 20, shape_stable=shape_stable)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2, prefix_cache_bytes=256 << 20, shape_stable=shape_stable))
     reqs = [Request(prompt=prompt_of(150 + 40 * i, seed=i), max_tokens=6 + 5 * i) for i in range(6)]
     outs, _ = run_schedule(eng, [(0, r) for r in reqs])
     for r in reqs:
@@ -208,7 +209,7 @@ def test_prompts_that_branch_off_a_shared_prefix_store_the_branch_point(fixture_
     prompts = [system + prompt_of(20, seed=s) for s in (12, 13, 14)]
     assert len({p[150] for p in prompts}) == 3  # they branch right after the system prompt
     options = dict(enable_mtp=mtp, num_draft=2 if mtp else None, prefix_cache_bytes=256 << 20, prefill_step=64)
-    eng = BatchGenerator(model, tok, **options)
+    eng = BatchGenerator(model, tok, EngineConfig(**options))
     cached = []
     for p in prompts:
         out, stats = _run_one(eng, p, 12)
@@ -216,7 +217,7 @@ def test_prompts_that_branch_off_a_shared_prefix_store_the_branch_point(fixture_
         cached.append(stats.cached_prompt_tokens)
     assert cached == [0, 0, 150]
     stored = eng.prefix_cache.entries[tuple(system)]
-    alone = BatchGenerator(model, tok, **options)
+    alone = BatchGenerator(model, tok, EngineConfig(**options))
     _run_one(alone, system, 1)
     expected = alone.prefix_cache.entries[tuple(system)]
     assert stored.pend_t == expected.pend_t == []
@@ -231,7 +232,7 @@ def test_prompts_that_branch_off_a_shared_prefix_store_the_branch_point(fixture_
 def test_a_short_shared_prefix_stores_no_branch_point(fixture_model):
     """A shared part shorter than a prefill chunk is cheaper to prefill again than to keep."""
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, prefix_cache_bytes=256 << 20, prefill_step=64)
+    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=256 << 20, prefill_step=64))
     system = prompt_of(40, seed=11)
     for s in (12, 13):
         _run_one(eng, system + prompt_of(20, seed=s), 2)

@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from mlxmtp.cli import main
+from mlxmtp.commands.main import main
 
 
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_bench_text_table_and_bad_options():
 def test_bench_runs_interleaved_rounds_prints_each_run_and_warns_when_ratios_spread(monkeypatch):
     """Three rounds by default, a line per run on stderr as it ends, the range of each ratio,
     and a warning when a ratio's range is too wide to trust (a busy machine)."""
-    from mlxmtp import bench_cli
+    from mlxmtp.engine import benchmark
 
     speeds = {None: [100.0, 100.0, 100.0], 0: [99.0, 44.0, 98.0], "adaptive": [140.0, 141.0, 139.0]}
     order = []
@@ -65,7 +65,7 @@ def test_bench_runs_interleaved_rounds_prints_each_run_and_warns_when_ratios_spr
             out.update(acceptance_by_position=[0.9], tokens_per_forward=1.9, depths={1: 3})
         return out
 
-    monkeypatch.setattr(bench_cli, "_one", one)
+    monkeypatch.setattr(benchmark, "one", one)
     res = CliRunner().invoke(main, ["bench", "-p", "8", "-g", "4", "--depths", "", "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout.strip().splitlines()[-1])

@@ -9,6 +9,7 @@ from engine_helpers import calibration_calls, loaded, prompt_of, reference_greed
 from mlxmtp.engine import adaptive, calibration
 from mlxmtp.engine.adaptive import DepthPolicy
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.cycle_costs import CycleCosts
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.pieces import model_pieces
@@ -52,7 +53,7 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
 def test_pinned_depths_do_not_calibrate(fixture_model, monkeypatch):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     monkeypatch.setattr(calibration, "measure_cycle_costs", lambda *a, **kw: pytest.fail("calibrated"))
-    generate(model, tok, prompt_of(10), max_tokens=10, num_draft=2)
+    generate(model, tok, prompt_of(10), max_tokens=10, config=EngineConfig(num_draft=2))
 
 
 def test_timed_cycles_replace_the_seed():
@@ -93,7 +94,7 @@ def test_new_batch_sizes_learn_their_costs_without_a_calibration(fixture_model, 
     _, _, ref = loaded(path)
     model, tok = load(path)  # a model of its own: the policy is shared by the model's engines
     calls = calibration_calls(monkeypatch)
-    eng = BatchGenerator(model, tok, max_batch=4)
+    eng = BatchGenerator(model, tok, EngineConfig(max_batch=4))
     assert eng.calibrate(1) and calls == [1]
     prompts = [prompt_of(12 + 5 * i, seed=i) for i in range(4)]
     ids = [eng.submit(Request(prompt=p, max_tokens=30)) for p in prompts]

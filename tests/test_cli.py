@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from engine_helpers import loaded, reference_greedy
 
 from mlxmtp import __version__
-from mlxmtp.cli import main as cli
+from mlxmtp.commands.main import main as cli
 
 
 def test_version():

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from mlxmtp.cli import main
+from mlxmtp.commands.main import main
 from mlxmtp.testing.fixtures import write_hf_checkpoint, write_mlx_conversion
 
 RUN = "mlxmtp.server.shutdown.run_server"  # serving itself; mocked so nothing blocks
@@ -70,7 +70,7 @@ def test_a_path_that_is_no_model_is_one_line(models, command, case, monkeypatch)
 @pytest.mark.parametrize("command", ["generate", "serve", "draft-vocab", "inspect"])
 def test_a_repo_that_cannot_be_fetched_is_one_line(command):
     offline = LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub.\nMore.")
-    with mock.patch("mlxmtp.models.load.snapshot_download", side_effect=offline), mock.patch(RUN) as run:
+    with mock.patch("mlxmtp.models.hub.snapshot_download", side_effect=offline), mock.patch(RUN) as run:
         res = CliRunner().invoke(main, [*COMMANDS[command], "Qwen/Qwen3-Next-80B-A3B-Instruct"])
     assert res.exit_code == 1, res.output
     assert res.output.strip().splitlines() == [
@@ -177,7 +177,7 @@ def test_option_errors_name_the_option_and_contradictions_are_told(tmp_path, cap
 
 
 def test_the_address_served_is_written_as_a_url(caplog):
-    from mlxmtp.server.cli import _run
+    from mlxmtp.commands.serve import _run
 
     caplog.set_level(logging.INFO, logger="mlxmtp")
     with mock.patch(RUN):

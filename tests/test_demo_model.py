@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.models import demo
 
 
@@ -80,8 +81,8 @@ def test_greedy_mtp_equals_greedy_without_mtp(demo_model, prompt):
 
     model, tok = demo_model
     ids = tok.encode(prompt)
-    on = generate(model, tok, ids, max_tokens=64, enable_mtp=True, num_draft=2)
-    off = generate(model, tok, ids, max_tokens=64, enable_mtp=False)
+    on = generate(model, tok, ids, max_tokens=64, config=EngineConfig(enable_mtp=True, num_draft=2))
+    off = generate(model, tok, ids, max_tokens=64, config=EngineConfig(enable_mtp=False))
     assert on.token_ids == off.token_ids
 
 
@@ -94,7 +95,8 @@ def test_depth1_greedy_acceptance_on_held_out_code(demo_model):
     model, tok = demo_model
     accs = {}
     for name, prompt in HELD_OUT_PROMPTS.items():
-        stats = generate(model, tok, tok.encode(prompt), max_tokens=100, num_draft=1).stats.as_dict()
+        stats = generate(model, tok, tok.encode(prompt), max_tokens=100,
+                         config=EngineConfig(num_draft=1)).stats.as_dict()
         assert stats["drafted"] > 0
         accs[name] = stats["acceptance"]
     assert sum(accs.values()) / len(accs) >= 0.6, accs

@@ -3,6 +3,7 @@
 from engine_helpers import loaded, prompt_of
 
 from mlxmtp.engine import adaptive
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.sampling import SamplingParams
 
@@ -14,9 +15,10 @@ def test_reasons_cover_every_cycle(fixture_model):
     adaptive_run = generate(model, tok, prompt_of(12, seed=1), max_tokens=40).stats.as_dict()
     reasons = adaptive_run["depth_reasons"]
     assert set(reasons) <= KNOWN and sum(reasons.values()) >= adaptive_run["forwards"]
-    pinned = generate(model, tok, prompt_of(12, seed=1), max_tokens=20, num_draft=2).stats.as_dict()
+    pinned = generate(model, tok, prompt_of(12, seed=1), max_tokens=20,
+                      config=EngineConfig(num_draft=2)).stats.as_dict()
     assert set(pinned["depth_reasons"]) == {adaptive.FIXED}
-    off = generate(model, tok, prompt_of(12, seed=1), max_tokens=5, enable_mtp=False,
+    off = generate(model, tok, prompt_of(12, seed=1), max_tokens=5, config=EngineConfig(enable_mtp=False),
                    params=SamplingParams()).stats.as_dict()
     assert set(off["depth_reasons"]) == {"no MTP head"}
 

@@ -18,6 +18,7 @@ from mlxmtp.distributed.channel import Channel
 from mlxmtp.distributed.group import check_same_setup, folder_fingerprint
 from mlxmtp.distributed.shared_policy import SharedPolicy
 from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_seed
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.policy import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
@@ -54,7 +55,7 @@ def test_plan_of_a_sharded_checkpoint_reads_only_each_ranks_files(tmp_path):
 def test_inspect_prints_the_plan(tmp_path):
     from click.testing import CliRunner
 
-    from mlxmtp.cli import main
+    from mlxmtp.commands.main import main
 
     out = CliRunner().invoke(main, ["inspect", DEMO, "--ranks", "2", "--json"])
     assert out.exit_code == 0, out.output
@@ -119,7 +120,7 @@ def test_start_up_check_compares_folders_and_settings(tmp_path):
     cfg["text_config"]["rms_norm_eps"] = 1e-5
     (b / "config.json").write_text(json.dumps(cfg))
     assert folder_fingerprint(a) != folder_fingerprint(b)
-    check_same_setup(Channel(_group_of_one()), a, {"num_draft": 2})  # one rank agrees with itself
+    check_same_setup(Channel(_group_of_one()), a, EngineConfig(num_draft=2))  # one rank agrees with itself
 
 
 # ------------------------------------------------------------------ 2 ranks
@@ -167,7 +168,7 @@ def test_two_ranks_sample_the_tokens_one_process_samples():
     model, tok = load(DEMO)
     n, temperature = 64, 0.5
     prompt = [5, 17, 42, 9, 33, 2]
-    engine = BatchGenerator(model, tok, num_draft=2, max_batch=64)
+    engine = BatchGenerator(model, tok, EngineConfig(num_draft=2, max_batch=64))
     for s in range(n):
         engine.submit(Request(prompt=prompt, max_tokens=3, params=SamplingParams(temperature=temperature, seed=s)))
     want = {}
@@ -190,7 +191,7 @@ def test_generate_cli_on_two_ranks_reports_the_split_and_matches_one_process():
     two = json.loads(lines[0])
     from click.testing import CliRunner
 
-    from mlxmtp.cli import main
+    from mlxmtp.commands.main import main
 
     one = json.loads(CliRunner().invoke(main, args).output.splitlines()[-1])
     assert two["token_ids"] == one["token_ids"]
@@ -222,11 +223,11 @@ def test_a_rank_fetches_only_its_files_from_the_hub(tmp_path, monkeypatch):
     """A Hub id: the configs first, then this rank's weight files only (huggingface_hub's
     snapshot_download stood in for by a copy of a local checkpoint, by its patterns)."""
     from mlxmtp.distributed import load as dist_load
-    from mlxmtp.models import load as models_load
+    from mlxmtp.models import model_folder
 
     source = write_hf_checkpoint(tmp_path / "hub", "qwen3_next", num_shards=4, num_hidden_layers=8)
     hub_from_folder(monkeypatch, source, tmp_path / "cache", "org/model")
-    configs = models_load.resolve_model_path("org/model", weight_files=[])
+    configs = model_folder.resolve_model_path("org/model", weight_files=[])
     assert not list(configs.glob("*.safetensors"))  # the configs come first, alone
     folder, plan = dist_load.fetch_share("org/model", configs, 1, 2)
     fetched = {f.name for f in folder.glob("*.safetensors")}

@@ -14,9 +14,10 @@ import httpx
 import openai
 import pytest
 from dist_helpers import BIN, free_port, start_ranks
-from server_helpers import ServerThread, streams_solo_and_together
+from server_helpers import ServerThread, served_engine, streams_solo_and_together
 
 from mlxmtp.server.app import create_app
+from mlxmtp.server.config import ServerConfig
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -91,7 +92,8 @@ def one_process(model_dir):
     model, tok = load(str(model_dir))
     # As `mlxmtp serve` makes it: requests without sampling fields get the model's own.
     defaults = recommended_sampling(model.model_dir)
-    with ServerThread(create_app(model, tok, model_id=MODEL, num_draft=2, sampling_defaults=defaults)) as srv:
+    app = create_app(model, tok, ServerConfig(model_id=MODEL, sampling_defaults=defaults), served_engine(num_draft=2))
+    with ServerThread(app) as srv:
         yield srv
 
 

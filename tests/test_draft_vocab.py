@@ -13,16 +13,18 @@ from engine_helpers import prompt_of, reference_greedy
 from test_sampling_exact import CHI2_999, chi2_quantile, chi2_two_sample
 
 from mlxmtp.checkpoint import token_list
-from mlxmtp.cli import main as cli
+from mlxmtp.commands.draft_vocab import _tokenizer_and_config
+from mlxmtp.commands.main import main as cli
 from mlxmtp.convert.add_mtp_weights import add_mtp_weights
-from mlxmtp.convert.draft_vocab_cli import _tokenizer_and_config
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.rejection_sampler import accept_sampled
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import RowSampler, SamplingParams
 from mlxmtp.models import draft_vocab as dv
-from mlxmtp.models.load import MTPLoadError, load
+from mlxmtp.models.errors import MTPLoadError
+from mlxmtp.models.load import load
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 CORPUS = "the cat sat on the mat, and the dog is in the fog.\n" * 40 + "def f(x):\n    return x\n" * 10
@@ -159,13 +161,13 @@ def test_greedy_output_is_unchanged(fixture_model, corpus, tmp_path, k, quantize
     for path, kw, allowed in [(hf, dict(draft_vocab_file=tmp_path / "l.json"), ids), (qpath, {}, qids)]:
         model, tok = load(str(path), draft_vocab=SIZE, **kw)
         full, _ = load(str(path))
-        eng = BatchGenerator(model, tok, num_draft=k)
+        eng = BatchGenerator(model, tok, EngineConfig(num_draft=k))
         if k is None:  # the random fixture head barely pays: tell the policy drafting is free
             eng.policy.seed_costs(1, {d: 1.0 for d in range(eng.policy.max_depth + 1)})
         seen = set()
         eng.draft_hook = _drafts_recorder(seen)
         got = generate(model, tok, prompt, max_tokens=80, engine=eng).token_ids
-        assert got == generate(full, tok, prompt, max_tokens=80, num_draft=k).token_ids
+        assert got == generate(full, tok, prompt, max_tokens=80, config=EngineConfig(num_draft=k)).token_ids
         if path == hf:
             assert got == want
         assert seen and seen <= set(allowed)  # the head only drafted listed tokens
@@ -196,7 +198,7 @@ def test_rejection_sampler_with_q_zero_outside_the_list():
 
 
 def _samples(model, tok, *, enable_mtp, n, seed0, seen=None):
-    eng = BatchGenerator(model, tok, enable_mtp=enable_mtp, num_draft=1, max_batch=64)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=enable_mtp, num_draft=1, max_batch=64))
     if seen is not None:
         eng.draft_hook = _drafts_recorder(seen)
     for seed in range(seed0, seed0 + n):

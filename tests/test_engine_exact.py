@@ -7,6 +7,7 @@ import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.request import Request
 from mlxmtp.models.load import load
@@ -23,7 +24,7 @@ def test_greedy_identity_every_depth(fixture_model, family):
         prompt = prompt_of(plen, seed=plen)
         want = reference_greedy(ref, prompt, 200)
         for k in DEPTHS:
-            got = generate(model, tok, prompt, max_tokens=200, num_draft=k).token_ids
+            got = generate(model, tok, prompt, max_tokens=200, config=EngineConfig(num_draft=k)).token_ids
             assert got == want, f"{family} prompt={plen} k={k}"
 
 
@@ -35,12 +36,12 @@ def test_greedy_identity_long_prompt_chunked(fixture_model, family):
     prompt = prompt_of(600, seed=600)
     want = reference_greedy(ref, prompt, 200)
     for k in (2, None):
-        res = generate(model, tok, prompt, max_tokens=200, num_draft=k, prefill_step=256)
+        res = generate(model, tok, prompt, max_tokens=200, config=EngineConfig(num_draft=k, prefill_step=256))
         assert res.token_ids == want
 
 
 def _run_forced(model, tok, prompt, want, k, p_correct, seed, **kw):
-    eng = BatchGenerator(model, tok, num_draft=k, **kw)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, **kw))
     req = Request(prompt=prompt, max_tokens=len(want))
     eng.submit(req)
     eng.draft_hook = oracle_hook({req.id: want}, p_correct=p_correct, seed=seed)
@@ -86,9 +87,9 @@ def test_prefill_chunks_never_compute_the_lm_head(tmp_path):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompt = prompt_of(600, seed=3)
-    generate(model, tok, prompt[:20], max_tokens=2, num_draft=1)  # allocations of the first use
+    generate(model, tok, prompt[:20], max_tokens=2, config=EngineConfig(num_draft=1))  # allocations of the first use
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    got = generate(model, tok, prompt, max_tokens=3, num_draft=1, prefill_step=512).token_ids
+    got = generate(model, tok, prompt, max_tokens=3, config=EngineConfig(num_draft=1, prefill_step=512)).token_ids
     assert mx.get_peak_memory() - base < 512 * 65536 * 4 // 4  # a quarter of one chunk's logits
     assert got == reference_greedy(ref, prompt, 3)

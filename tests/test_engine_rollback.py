@@ -9,6 +9,7 @@ from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 
@@ -39,7 +40,8 @@ def assert_caches_equal(engine_cache, ref_cache, row=0):
 @pytest.mark.parametrize("mode", ["sliced", "shape_stable", "pipelined"])
 def test_caches_match_plain_decoder_after_every_cycle(fixture_model, family, batch, mode):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=mode != "sliced", pipeline_drafts=mode == "pipelined")
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, shape_stable=mode != "sliced",
+                                                  pipeline_drafts=mode == "pipelined"))
     wants = {}
     for b in range(batch):
         prompt = prompt_of(9 + 5 * b, seed=b)
@@ -69,7 +71,7 @@ def test_stop_string_inside_accepted_draft(fixture_model):
     # A stop string that completes at a token in the middle of a cycle's drafts.
     stop = full_text[len(tok.decode(want[:9])) : len(tok.decode(want[:11]))]
     assert stop
-    eng = BatchGenerator(model, tok, num_draft=4)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=4))
     req = Request(prompt=prompt, max_tokens=40, stop=[stop])
     eng.submit(req)
     eng.draft_hook = oracle_hook({req.id: want}, p_correct=1.0)
@@ -100,7 +102,7 @@ def test_eos_inside_draft_and_max_tokens_mid_draft(fixture_model):
     eos = want[13]
     first = want.index(eos)
     for stop_ids, max_tokens, expected in (([eos], 40, want[: first + 1]), ([], 7, want[:7])):
-        eng = BatchGenerator(model, tok, num_draft=4)
+        eng = BatchGenerator(model, tok, EngineConfig(num_draft=4))
         req = Request(prompt=prompt, max_tokens=max_tokens, stop_token_ids=stop_ids)
         eng.submit(req)
         eng.draft_hook = oracle_hook({req.id: want}, p_correct=1.0)
@@ -174,7 +176,7 @@ def test_the_earliest_stop_string_is_reported(fixture_model):
     early = full[len(tok.decode(want[:6])) : len(tok.decode(want[:8]))]
     late = full[len(tok.decode(want[:20])) : len(tok.decode(want[:23]))]
     assert early and late and early not in full[: len(tok.decode(want[:6]))]
-    eng = BatchGenerator(model, tok, num_draft=3)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3))
     req = Request(prompt=prompt, max_tokens=40, stop=[late, early])
     eng.submit(req)
     events = []

@@ -14,6 +14,7 @@ from mlx_lm.models import gated_delta
 from test_engine_rollback import assert_caches_equal, reference_cache
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import gdn_capture
 from mlxmtp.testing import fixtures as fx
@@ -122,7 +123,7 @@ def _spy_rollbacks(monkeypatch):
 def test_ops_path_rolls_back_by_selecting_recorded_states(fixture_model, monkeypatch, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     seen, ways = _spy_verify_records(monkeypatch), _spy_rollbacks(monkeypatch)
-    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True, pipeline_drafts=pipelined)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, shape_stable=True, pipeline_drafts=pipelined))
     _decode_checking_caches(eng, ref, [prompt_of(9 + 5 * b, seed=b) for b in range(3)])
     assert seen and all(r.states is not None and len(r.states) == r.inputs[0].shape[1] for r in seen)
     assert ways["select"] > 0 and ways["replay"] == 0
@@ -134,7 +135,7 @@ def test_fused_kernel_path_rolls_back_by_replay(fixture_model, monkeypatch, pipe
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     seen, ways = _spy_verify_records(monkeypatch), _spy_rollbacks(monkeypatch)
     with stand_in_kernel(monkeypatch) as calls:
-        eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True, pipeline_drafts=pipelined)
+        eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, shape_stable=True, pipeline_drafts=pipelined))
         _decode_checking_caches(eng, ref, [prompt_of(9 + 5 * b, seed=b) for b in range(3)])
     assert seen and all(r.states is None for r in seen)
     assert ways["replay"] > 0 and ways["select"] == 0
@@ -149,7 +150,7 @@ def test_states_past_the_budget_roll_back_by_replay(fixture_model, monkeypatch):
     verifies = []
     _spy_verify_records(monkeypatch, verifies)
     ways = _spy_rollbacks(monkeypatch)
-    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, shape_stable=True))
     # The budget of one Gated DeltaNet layer's states for 3 rows at 4 positions.
     B, T = 3, 4
     sizes = fx.DEFAULT_SIZES

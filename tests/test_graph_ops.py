@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxmtp.engine import verify as verify_mod
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.policy import Policy
 from mlxmtp.mlxlm import adapter, gdn_capture
@@ -71,9 +72,9 @@ def test_plain_decoding_evaluates_no_more_than_mlx_lm(fixture_model, family):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
     prompt = prompt_of(20, seed=3)
     theirs = mlx_lm_ops_per_token(ref, prompt)
-    off = engine_ops_per_token(BatchGenerator(model, tok, enable_mtp=False), model, tok, prompt)
+    off = engine_ops_per_token(BatchGenerator(model, tok, EngineConfig(enable_mtp=False)), model, tok, prompt)
     assert 0 < off <= theirs, (off, theirs)
-    held = BatchGenerator(model, tok, enable_mtp=True)
+    held = BatchGenerator(model, tok, EngineConfig(enable_mtp=True))
     held.policy = HoldPlain()
     with_head = engine_ops_per_token(held, model, tok, prompt)
     assert with_head == off, (with_head, off)
@@ -140,7 +141,7 @@ def test_a_thinking_budget_far_from_reached_costs_nothing(fixture_model, k):
     prompt = prompt_of(20, seed=3)
     runs = []
     for procs in ([], [budget_processor(len(prompt), 500, 1, 2, starts_inside=True)]):
-        engine = BatchGenerator(model, tok, num_draft=k)
+        engine = BatchGenerator(model, tok, EngineConfig(num_draft=k))
         got = []
         with OpCounter() as ops:
             for ev in stream_generate(model, tok, prompt, max_tokens=TOKENS, engine=engine,

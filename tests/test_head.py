@@ -13,8 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from mlxmtp.checkpoint import hf_head, mtp_folder
-from mlxmtp.cli import main as cli
-from mlxmtp.models.load import MissingMTPHeadError, MTPLoadError, load
+from mlxmtp.commands.main import main as cli
+from mlxmtp.engine.config import EngineConfig
+from mlxmtp.models.errors import MissingMTPHeadError, MTPLoadError
+from mlxmtp.models.load import load
 from mlxmtp.testing.fixtures import FAMILIES, write_hf_checkpoint
 
 
@@ -135,7 +137,7 @@ def test_load_returns_the_untouched_mlx_lm_model_with_its_head(fixture_model):
     own generation takes it as it takes the model."""
     from mlx.utils import tree_flatten
 
-    from mlxmtp.models.load import MTPModel
+    from mlxmtp.models.mtp_model import MTPModel
 
     path = str(fixture_model("qwen3_5")["hf"])
     model, tok = load(path)
@@ -218,8 +220,8 @@ def test_pre_norm_switch_feeds_the_backbone_input_of_the_final_norm(fixture_mode
     assert mx.allclose(pre.parts.backbone.norm(hp), hq, atol=1e-5).item()
     assert not mx.allclose(hp, hq).item()
     prompt = [1, 2, 3, 4, 5]
-    a = generate(pre, tok, prompt, max_tokens=30, num_draft=2).token_ids
-    b = generate(post, tok, prompt, max_tokens=30, enable_mtp=False).token_ids
+    a = generate(pre, tok, prompt, max_tokens=30, config=EngineConfig(num_draft=2)).token_ids
+    b = generate(post, tok, prompt, max_tokens=30, config=EngineConfig(enable_mtp=False)).token_ids
     assert a == b
 
 

@@ -15,9 +15,12 @@ from engine_helpers import hub_from_folder
 from mlx.utils import tree_flatten
 
 from mlxmtp.checkpoint import hf_head, mtp_folder
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.mlxlm.family import text_parts
 from mlxmtp.models.demo import demo_model_path
-from mlxmtp.models.load import MTPHead, MTPLoadError, load
+from mlxmtp.models.errors import MTPLoadError
+from mlxmtp.models.load import load
+from mlxmtp.models.mtp_head import MTPHead
 
 
 def _params(module) -> dict:
@@ -91,8 +94,8 @@ def test_a_quantized_sidecar_with_raw_norms_beside_an_index(tmp_path):
     from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 
     ids = tok.encode(next(iter(HELD_OUT_PROMPTS.values())))
-    on = generate(model, tok, ids, max_tokens=48, enable_mtp=True, num_draft=2)
-    assert on.token_ids == generate(model, tok, ids, max_tokens=48, enable_mtp=False).token_ids
+    on = generate(model, tok, ids, max_tokens=48, config=EngineConfig(enable_mtp=True, num_draft=2))
+    assert on.token_ids == generate(model, tok, ids, max_tokens=48, config=EngineConfig(enable_mtp=False)).token_ids
     assert on.stats.as_dict()["acceptance"] > 0.5
 
 
@@ -164,12 +167,12 @@ def test_unreadable_foreign_heads_are_refused_by_name(tmp_path):
 def test_a_rank_fetching_its_shards_from_the_hub_gets_the_sidecar_too(tmp_path, monkeypatch):
     """A distributed rank fetches only its own weight files, and the head's sidecar with them
     (every rank holds the head)."""
-    from mlxmtp.models import load as models_load
+    from mlxmtp.models import model_folder
 
     source = _demo_without_head(tmp_path)
     shutil.copy(demo_model_path() / mtp_folder.FOLDER / mtp_folder.WEIGHTS, source / "mtp.safetensors")
     hub_from_folder(monkeypatch, source, tmp_path / "cache", "org/demo-mtp")
-    folder = models_load.resolve_model_path("org/demo-mtp", weight_files=[])
+    folder = model_folder.resolve_model_path("org/demo-mtp", weight_files=[])
     assert (folder / "mtp.safetensors").is_file() and not (folder / "model.safetensors").exists()
 
 

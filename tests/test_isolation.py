@@ -6,6 +6,7 @@ import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 
@@ -62,7 +63,7 @@ def test_a_failing_processor_fails_only_its_request(fixture_model, depth, fail_a
     expected = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in good}
     bad = Request(prompt=prompt_of(12, seed=9), max_tokens=24,
                   params=SamplingParams(logits_processors=[failing_after(fail_after)]))
-    eng = BatchGenerator(model, tok, num_draft=depth, prefill_step=16)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=depth, prefill_step=16))
     if depth:
         eng.draft_hook = oracle_hook(expected, p_correct=0.6, seed=depth)
     outs, reasons, errors = run(eng, good + [bad], [0, 0, 2, 1])
@@ -78,7 +79,7 @@ def test_a_failing_detokenizer_fails_only_its_request(fixture_model, depth, pipe
     good = [Request(prompt=prompt_of(n, seed=70 + n), max_tokens=20) for n in (4, 30)]
     expected = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in good}
     bad = Request(prompt=prompt_of(10, seed=3), max_tokens=20)
-    eng = BatchGenerator(model, tok, num_draft=depth, pipeline_drafts=pipelined)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=depth, pipeline_drafts=pipelined))
     new_row = eng._new_row
     eng._new_row = lambda req: _with_broken_detok(new_row(req), 6) if req.id == bad.id else new_row(req)
     outs, reasons, errors = run(eng, good + [bad], [0, 0, 0])
@@ -115,7 +116,7 @@ def test_short_prompts_are_prefilled_before_a_long_one(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     long = Request(prompt=prompt_of(400, seed=1), max_tokens=4)
     short = Request(prompt=prompt_of(10, seed=2), max_tokens=4)
-    eng = BatchGenerator(model, tok, prefill_step=64)
+    eng = BatchGenerator(model, tok, EngineConfig(prefill_step=64))
     eng.submit(long)
     eng.step()  # the long prompt's first chunk
     eng.submit(short)

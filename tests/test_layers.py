@@ -1,6 +1,7 @@
 """Imports go down the layers only: checkpoint, mlxlm <- models <- engine <- distributed <-
-server, models <- convert; mlx-lm is imported by mlxmtp/mlxlm alone; product code never imports test support.
-Read from the source with `ast`; nothing is imported or run."""
+server <- commands (the click command line), models <- convert; mlx-lm is imported by
+mlxmtp/mlxlm alone; product code never imports test support. Read from the source with
+`ast`; nothing is imported or run."""
 
 import ast
 from pathlib import Path
@@ -47,7 +48,7 @@ def _reaches(name: str, target: str) -> bool:
 
 def test_the_walker_resolves_relative_imports():
     # Sanity check of the walker itself on this repository's own layout.
-    found = {name for name, _, _ in _imports(PACKAGE / "models" / "load.py")}
+    found = {name for name, _, _ in _imports(PACKAGE / "models" / "head_build.py")}
     assert "mlxmtp.checkpoint.hf_head" in found and "mlxmtp.mlxlm.family" in found
 
 
@@ -102,13 +103,8 @@ def test_product_code_does_not_import_test_support(path):
     assert not bad, f"{path.name} imports the test-support package: {bad}"
 
 
-LAYERS = {"checkpoint": 0, "mlxlm": 0, "models": 1, "convert": 2, "engine": 2, "distributed": 3, "server": 4}
-
-
-def _command_may_import(path, name) -> bool:
-    """A command (a package's cli.py) runs alone or on every rank under mlx.launch: it may
-    reach the distributed layer above its own package."""
-    return path.name == "cli.py" and _reaches(name, "mlxmtp.distributed")
+LAYERS = {"checkpoint": 0, "mlxlm": 0, "models": 1, "convert": 2, "engine": 2, "distributed": 3, "server": 4,
+          "commands": 5}
 
 
 @pytest.mark.parametrize("path", [p for layer in LAYERS for p in _modules(layer)],
@@ -116,6 +112,39 @@ def _command_may_import(path, name) -> bool:
 def test_imports_go_down_the_layers(path):
     mine = LAYERS[path.parent.name]
     bad = [(n, line) for n, line, _ in _imports(path) for layer, rank in LAYERS.items()
-           if _reaches(n, f"mlxmtp.{layer}") and layer != path.parent.name and rank >= mine
-           and not _command_may_import(path, n)]
+           if _reaches(n, f"mlxmtp.{layer}") and layer != path.parent.name and rank >= mine]
     assert not bad, f"{path.name} imports its own level or above: {bad}"
+
+
+def _import_graph():
+    """mlxmtp module -> the mlxmtp modules it imports anywhere in it (at the top, in a
+    function, under TYPE_CHECKING), as `_imports` reads them."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def module_of(name: str) -> str:  # `from a.b import name` -> a.b; `from a import b` -> a.b
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {m: {t for n, _, _ in _imports(p) if (t := module_of(n)) and t != m} for m, p in paths.items()}
+
+
+def test_no_modules_import_each_other():
+    """No circle in the import graph, of two modules or more: a type-only or on-use import
+    counts too (a reader follows the arrow all the same). Share what both sides need from a
+    module of its own instead."""
+    graph, done, path = _import_graph(), set(), []
+
+    def circle_from(m):
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        path.append(m)
+        found = next(filter(None, map(circle_from, sorted(graph[m]))), None)
+        path.pop()
+        done.add(m)
+        return found
+
+    circle = next(filter(None, map(circle_from, sorted(graph))), None)
+    assert circle is None, "modules that import each other: " + " -> ".join(circle)

@@ -7,6 +7,7 @@ from engine_helpers import loaded, oracle_hook, prompt_of
 from mlx_lm.generate import generate_step
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 
@@ -37,7 +38,7 @@ def test_top_logprobs_match_mlx_lm_at_every_depth_and_batch(fixture_model, depth
     reqs = [Request(prompt=prompt_of(5 + 11 * i, seed=i), max_tokens=12, logprobs=[5, 0, 20][i % 3])
             for i in range(batch)]
     want = {r.id: reference_logprobs(ref, r.prompt, r.max_tokens) for r in reqs}
-    eng = BatchGenerator(model, tok, num_draft=depth, pipeline_drafts=pipelined)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=depth, pipeline_drafts=pipelined))
     if depth:
         eng.draft_hook = oracle_hook({r.id: [t for t, _ in want[r.id]] for r in reqs}, p_correct=0.7, seed=1)
     got = collect(eng, reqs)
@@ -59,7 +60,7 @@ def test_top_logprobs_of_sampled_rows_are_of_the_processed_distribution(fixture_
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     req = Request(prompt=prompt_of(9, seed=4), max_tokens=10, logprobs=3,
                   params=SamplingParams(temperature=0.7, seed=5, logit_bias={7: 100.0}))
-    got = collect(BatchGenerator(model, tok, num_draft=2), [req])[req.id]
+    got = collect(BatchGenerator(model, tok, EngineConfig(num_draft=2)), [req])[req.id]
     assert len(got) == 10
     for e in got:
         assert e["top"][0][0] == 7 and e["top"][0][1] > -1e-3  # the bias makes token 7 near-certain

@@ -6,9 +6,11 @@ really hold, at every step."""
 
 import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
+from server_helpers import served_engine
 
 from mlxmtp.engine import memory
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.pieces import model_pieces
 from mlxmtp.engine.prefix_cache import PrefixCache
 from mlxmtp.engine.request import Request
@@ -47,7 +49,7 @@ def run(eng, requests, expected=None):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_the_footprint_is_what_a_decoding_row_holds(fixture_model, family):
     model, tok, _ = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=2)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2))
     eng.submit(Request(prompt=prompt_of(300, seed=1), max_tokens=40))
     while not eng.rows:
         eng.step()
@@ -73,21 +75,21 @@ def test_a_prompt_waits_until_the_batch_it_joins_fits(fixture_model):
     reqs = [Request(prompt=prompt_of(40, seed=11), max_tokens=30), Request(prompt=prompt_of(45, seed=12), max_tokens=30)]
     expected = {r.id: reference_greedy(ref, r.prompt, 30) for r in reqs}
     budget = _budget_for(model, 1, 45 + 1 + 4 + memory.ADMIT_HEADROOM)  # room for one row
-    eng = BatchGenerator(model, tok, num_draft=3, memory_bytes=budget)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, memory_bytes=budget))
     outs, log = run(eng, reqs, expected)
     assert outs == expected
     assert eng.memory.running == 0  # what /metrics reads once the server is idle again
     a, b = reqs
     assert log.index(next(e for e in log if e[1:] == (a.id, "finish"))) < \
         log.index(next(e for e in log if e[1:] == (b.id, "first")))  # b started after a left
-    with_room = BatchGenerator(model, tok, num_draft=3, memory_bytes=2 * budget)
+    with_room = BatchGenerator(model, tok, EngineConfig(num_draft=3, memory_bytes=2 * budget))
     assert run(with_room, [Request(prompt=r.prompt, max_tokens=30) for r in reqs])[1][1][2] == "first"  # together
 
 
 def test_running_rows_take_memory_back_from_the_prefix_cache(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     budget = _budget_for(model, 1, 45 + 1 + 4 + memory.ADMIT_HEADROOM)
-    eng = BatchGenerator(model, tok, num_draft=3, memory_bytes=budget, prefix_cache_bytes=1 << 30)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, memory_bytes=budget, prefix_cache_bytes=1 << 30))
     a = Request(prompt=prompt_of(40, seed=11), max_tokens=30)
     run(eng, [a])
     kept = eng.prefix_cache.bytes
@@ -123,7 +125,7 @@ def test_a_batch_that_outgrows_its_budget_sends_its_newest_row_back(fixture_mode
     options = {"plain": dict(enable_mtp=False), "mtp": dict(num_draft=3), "adaptive": {},
                "pipelined": dict(num_draft=2, pipeline_drafts=True)}[mode]
     budget = _budget_for(model, 2, step, mtp=mode != "plain")
-    eng = BatchGenerator(model, tok, memory_bytes=budget, prefill_step=64, **options)
+    eng = BatchGenerator(model, tok, EngineConfig(memory_bytes=budget, prefill_step=64, **options))
     outs, log = run(eng, reqs, expected if mode in ("mtp", "pipelined") else None)
     assert outs == expected
     first, second = reqs
@@ -140,7 +142,7 @@ def test_a_lone_row_starts_and_is_never_sent_back(fixture_model):
     server's context length keeps it within)."""
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     req = Request(prompt=prompt_of(20, seed=31), max_tokens=300)
-    eng = BatchGenerator(model, tok, num_draft=2, memory_bytes=_budget_for(model, 1, RaggedKVCache.step))
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2, memory_bytes=_budget_for(model, 1, RaggedKVCache.step)))
     eng.submit(req)
     outs = []
     while eng.has_work:
@@ -166,7 +168,7 @@ def test_the_server_caps_the_context_at_what_memory_holds(start_server, server_m
     model, tok = server_model
     cap = memory.measure(model_pieces(model, True)).max_positions(1 << 20)
     assert 0 < cap < 4096  # below the fixture's own context
-    srv = start_server(memory_mb=1)
+    srv = start_server(engine=served_engine(memory_bytes=1 << 20))
     assert srv.app.state.server.context_length == cap
     client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0, timeout=60)
     with pytest.raises(anthropic.BadRequestError) as e:
@@ -207,7 +209,7 @@ def test_a_long_row_that_leaves_takes_its_capacity_with_it(fixture_model, monkey
     long = Request(prompt=prompt_of(600, seed=31), max_tokens=4)
     shorts = [Request(prompt=prompt_of(20 + i, seed=32 + i), max_tokens=60) for i in range(3)]
     budget = _budget_for(model, 2, 600 + 1 + 4)
-    eng = BatchGenerator(model, tok, num_draft=2, memory_bytes=budget, shape_stable=shape_stable)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2, memory_bytes=budget, shape_stable=shape_stable))
     eng.submit(long)
     eng.submit(shorts[0])
     outs, later = {}, list(shorts[1:])

@@ -12,7 +12,7 @@ from mlx_lm import tokenizer_utils
 from test_prefix_cache import found, put
 from transformers import PreTrainedTokenizerBase
 
-from mlxmtp.cli import main
+from mlxmtp.commands.main import main
 from mlxmtp.engine.prefix_cache import PrefixCache
 from mlxmtp.models.load import load
 from mlxmtp.testing.fixtures import write_hf_checkpoint
@@ -89,20 +89,19 @@ def test_prompt_cache_bytes_is_the_prefix_cache_s_budget_in_bytes(model_dir):
 
 
 def test_a_distributed_server_s_ranks_get_the_same_prefix_cache_settings(model_dir):
-    """Ranks > 0 build their engine from the settings every rank is checked to share."""
+    """Ranks > 0 build their engine from the config every rank is checked to share."""
     loaded = load(str(model_dir))
     rank1 = mock.Mock(rank=lambda: 1, size=lambda: 2)
     with mock.patch("mlxmtp.distributed.group.launched_group", return_value=rank1), \
-            mock.patch("mlxmtp.server.cli._load", return_value=loaded) as _load, \
+            mock.patch("mlxmtp.commands.serve._load", return_value=loaded) as _load, \
             mock.patch("mlxmtp.distributed.engine.DistributedEngine") as engine:
         res = CliRunner().invoke(main, ["serve", "--model", str(model_dir), "--prompt-cache-bytes", "1M",
                                         "--prompt-cache-size", "4", "--decode-concurrency", "2"])
     assert res.exit_code == 0, res.output
-    settings = _load.call_args.args[2]  # what check_same_setup compares across the ranks
-    assert settings["prefix_cache_entries"] == 4 and settings["prefix_cache_mb"] * 2**20 == 10**6
+    config = _load.call_args.args[2]  # what check_same_setup compares across the ranks
+    assert (config.prefix_cache_bytes, config.prefix_cache_entries, config.max_batch) == (10**6, 4, 2)
     assert engine.return_value.follow.called  # rank 1 followed rank 0 with the engine built here
-    options = engine.call_args.kwargs
-    assert (options["prefix_cache_bytes"], options["prefix_cache_entries"], options["max_batch"]) == (10**6, 4, 2)
+    assert engine.call_args.args[2] is config
 
 
 # ------------------------------------------------------------------ --num-draft-tokens

@@ -7,6 +7,7 @@ from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine import cycle
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 
@@ -45,7 +46,7 @@ def _run(eng, reqs, join_every=0):
 def test_pipelined_cycles_give_mlx_lms_greedy_output(fixture_model, monkeypatch, family, k, batch):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
     chained = _count_chained(monkeypatch)
-    eng = BatchGenerator(model, tok, num_draft=k, pipeline_drafts=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, pipeline_drafts=True))
     reqs = [Request(prompt=prompt_of(6 + 17 * b, seed=b), max_tokens=30 + 7 * b) for b in range(batch)]
     want = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in reqs}
     eng.draft_hook = oracle_hook(want, p_correct=0.6, seed=k)
@@ -58,7 +59,7 @@ def test_adaptive_depth_and_plain_stretches_pipelined(fixture_model, monkeypatch
     """The policy switches depths (and to plain decoding) between pipelined cycles."""
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     chained = _count_chained(monkeypatch)
-    eng = BatchGenerator(model, tok, pipeline_drafts=True)
+    eng = BatchGenerator(model, tok, EngineConfig(pipeline_drafts=True))
     depths = iter([2, 2, 3, 3, 1, 0, 0, 4, 4, 4, 2, 0, 3] * 20)
     # The model's policy is shared by its engines: patched for this test only.
     monkeypatch.setattr(eng.policy, "choose",
@@ -80,7 +81,7 @@ def test_stops_inside_pipelined_cycles(fixture_model):
     reqs = [Request(prompt=prompts[0], max_tokens=40, stop_token_ids=[full[0][13]]),
             Request(prompt=prompts[1], max_tokens=17),
             Request(prompt=prompts[2], max_tokens=40)]
-    eng = BatchGenerator(model, tok, num_draft=4, pipeline_drafts=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=4, pipeline_drafts=True))
     eng.draft_hook = oracle_hook({r.id: f for r, f in zip(reqs, full)}, p_correct=0.9, seed=5)
     got, reasons = _run(eng, reqs)
     assert got[reqs[0].id] == full[0][: full[0].index(full[0][13]) + 1] and reasons[reqs[0].id] == "stop"
@@ -90,7 +91,7 @@ def test_stops_inside_pipelined_cycles(fixture_model):
 
 def test_cancel_and_join_while_pipelined(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=3, pipeline_drafts=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, pipeline_drafts=True))
     a, b = Request(prompt=prompt_of(9, seed=1), max_tokens=50), Request(prompt=prompt_of(30, seed=2), max_tokens=50)
     want = {r.id: reference_greedy(ref, r.prompt, 50) for r in (a, b)}
     eng.draft_hook = oracle_hook(want, p_correct=0.8, seed=2)
@@ -124,7 +125,7 @@ def test_mixed_greedy_and_sampled_rows_pipelined(fixture_model, monkeypatch):
     runs = []
     for _ in range(2):
         reqs = batch()
-        got, _ = _run(BatchGenerator(model, tok, num_draft=2, pipeline_drafts=True), reqs)
+        got, _ = _run(BatchGenerator(model, tok, EngineConfig(num_draft=2, pipeline_drafts=True)), reqs)
         assert got[reqs[1].id] == reference_greedy(ref, reqs[1].prompt, 40)
         runs.append(got[reqs[0].id])
     assert runs[0] == runs[1] and len(runs[0]) == 40

@@ -15,11 +15,12 @@ import httpx
 import mlx.core as mx
 import pytest
 from engine_helpers import loaded, prompt_of, reference_greedy
-from server_helpers import load_bench_module
+from server_helpers import load_bench_module, served_engine
 from test_add_mtp_weights import DEAD_PID
 
 from mlxmtp.engine import prefix_disk
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.prefix_folders import MARKER
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import adapter
@@ -41,8 +42,8 @@ def run(eng, prompts, max_tokens=12):
 
 
 def engine(model, tok, folder, mtp=True, memory=256 << 20, disk=256 << 20):
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=2 if mtp else None, prefix_cache_bytes=memory,
-                         prefill_step=64)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=2 if mtp else None,
+                                                  prefix_cache_bytes=memory, prefill_step=64))
     prefix_disk.attach(eng, folder, disk)
     return eng
 
@@ -182,8 +183,8 @@ def test_the_folder_stays_within_its_budget(fixture_model, tmp_path):
 def test_attach_refuses_what_it_cannot_serve(fixture_model, tmp_path):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     with pytest.raises(ValueError, match="one in memory"):
-        prefix_disk.attach(BatchGenerator(model, tok, prefix_cache_bytes=0), tmp_path, 1 << 20)
-    eng = BatchGenerator(model, tok, prefix_cache_bytes=1 << 20)
+        prefix_disk.attach(BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=0)), tmp_path, 1 << 20)
+    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=1 << 20))
     eng.prefix_cache.agree = lambda n: n
     with pytest.raises(ValueError, match="across ranks"):
         prefix_disk.attach(eng, tmp_path, 1 << 20)
@@ -231,7 +232,7 @@ def test_a_restarted_server_answers_from_the_states_it_saved(fixture_model, tmp_
 def test_serve_refuses_a_folder_it_cannot_use(tmp_path):
     from click.testing import CliRunner
 
-    from mlxmtp.cli import main
+    from mlxmtp.commands.main import main
 
     runner = CliRunner()
     r = runner.invoke(main, ["serve", "--prefix-cache-dir", str(tmp_path / "d"), "--prefix-cache-mb", "0"])
@@ -258,7 +259,7 @@ def test_the_bench_times_all_three_ways_to_the_same_first_token():
 def test_an_engine_rebuilt_after_a_failure_keeps_the_states_of_the_one_before(start_server, tmp_path):
     """A step that raises outside any one request rebuilds the engine (EngineBridge._recover):
     the old one's prefix cache is written to disk first, and the new one answers from it."""
-    srv = start_server(prefix_cache_mb=64, prefix_cache_dir=str(tmp_path), prefill_step=64)
+    srv = start_server(engine=served_engine(prefix_cache_bytes=64 << 20, prefix_cache_dir=str(tmp_path), prefill_step=64))
     bridge = srv.state.bridge
 
     def ask(text):

@@ -9,6 +9,7 @@ from test_sampling_exact import chi2_quantile, chi2_two_sample
 
 from mlxmtp.engine import memory
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
@@ -38,7 +39,7 @@ def _others():
 
 
 def _run(model, tok, requests, hook_expected=None, max_batch=8, **options):
-    return _outputs(BatchGenerator(model, tok, max_batch=max_batch, **options), requests, hook_expected)
+    return _outputs(BatchGenerator(model, tok, EngineConfig(max_batch=max_batch, **options)), requests, hook_expected)
 
 
 def _outputs(eng, requests, hook_expected=None):
@@ -97,8 +98,8 @@ def test_a_seeded_request_sent_back_to_wait_for_memory_resumes_the_same_text(fix
                         params=SamplingParams(temperature=0.9, seed=i, reproducible=True)) for i in range(2)]
 
     plain = _run(model, tok, requests(), enable_mtp=False)
-    eng = BatchGenerator(model, tok, memory_bytes=_budget_for(model, 2, RaggedKVCache.step), prefill_step=64,
-                         **options)
+    eng = BatchGenerator(model, tok, EngineConfig(memory_bytes=_budget_for(model, 2, RaggedKVCache.step),
+                                                  prefill_step=64, **options))
     assert _outputs(eng, requests()) == plain
     assert eng.memory.preempted == 1
 

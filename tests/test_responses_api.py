@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from server_helpers import served_engine
 
 MODEL = "fixture"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -44,7 +45,8 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(SCRIPTS, model_id=MODEL, max_concurrent=4, max_prompt_tokens=1500, aliases=["gpt-5-codex"])
+    return start_server(SCRIPTS, model_id=MODEL, max_prompt_tokens=1500, aliases=["gpt-5-codex"],
+                        engine=served_engine(max_batch=4))
 
 
 def create(oai, input, **kw):

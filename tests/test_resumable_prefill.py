@@ -4,8 +4,10 @@ covers only what was left, and its output is what an uninterrupted run gives."""
 
 import pytest
 from engine_helpers import loaded, prompt_of, reference_greedy
+from server_helpers import served_engine
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 
 CHUNK = 16
@@ -32,7 +34,7 @@ def attempt(eng, prompt, steps=None):
 @pytest.mark.parametrize("family,mtp", [("qwen3_5", True), ("qwen3_next", False)])
 def test_a_prefill_cancelled_twice_resumes_where_it_stopped(fixture_model, family, mtp):
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, prefill_step=CHUNK, prefix_cache_bytes=1 << 30)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, prefill_step=CHUNK, prefix_cache_bytes=1 << 30))
     prompt = prompt_of(200, seed=3)
     tokens, stats = attempt(eng, prompt, steps=3)  # one chunk per step: cut after 3 chunks
     assert not tokens and stats.cached_prompt_tokens == 0
@@ -47,7 +49,7 @@ def test_a_prompt_that_differs_after_the_cut_still_gets_its_own_answer(fixture_m
     # The kept state is a strict prefix: another prompt sharing it (an edited retry) starts
     # there too, and still decodes exactly its own continuation.
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, prefill_step=CHUNK, prefix_cache_bytes=1 << 30)
+    eng = BatchGenerator(model, tok, EngineConfig(prefill_step=CHUNK, prefix_cache_bytes=1 << 30))
     prompt = prompt_of(120, seed=5)
     attempt(eng, prompt, steps=4)
     edited = prompt[: 4 * CHUNK] + prompt_of(40, seed=6)
@@ -58,7 +60,7 @@ def test_a_prompt_that_differs_after_the_cut_still_gets_its_own_answer(fixture_m
 
 def test_nothing_is_kept_without_a_prefix_cache(fixture_model):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, prefill_step=CHUNK)
+    eng = BatchGenerator(model, tok, EngineConfig(prefill_step=CHUNK))
     prompt = prompt_of(120, seed=5)
     attempt(eng, prompt, steps=3)
     tokens, stats = attempt(eng, prompt)
@@ -82,7 +84,7 @@ def test_a_client_that_times_out_and_retries_finishes(start_server, monkeypatch)
         time.sleep(0.15)  # a large model's chunk
         return forward(self, row, tokens, logits_needed)
 
-    server = start_server(prefix_cache_mb=256, prefill_step=CHUNK)
+    server = start_server(engine=served_engine(prefix_cache_bytes=256 << 20, prefill_step=CHUNK))
     long = " ".join(f"word{i}" for i in range(40))
     body = dict(model="m", max_tokens=8, temperature=0, messages=[{"role": "user", "content": long}])
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=1.2, max_retries=6)

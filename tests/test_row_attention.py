@@ -7,6 +7,7 @@ from engine_helpers import loaded, prompt_of, reference_greedy
 from test_batching import run_schedule
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import row_attention
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
@@ -98,8 +99,8 @@ def test_a_batch_split_by_lengths_equals_mlx_lm_row_by_row(monkeypatch, fixture_
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
     reqs = [Request(prompt=prompt_of(n, seed=i), max_tokens=24) for i, n in enumerate([5, 300, 12, 9])]
     expected = {r.id: reference_greedy(ref, r.prompt, r.max_tokens) for r in reqs}
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=2 if mtp else None, prefill_step=128,
-                         shape_stable=shape_stable, pipeline_drafts=pipelined)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=2 if mtp else None, prefill_step=128,
+                                                  shape_stable=shape_stable, pipeline_drafts=pipelined))
     outs, _ = run_schedule(eng, [(0, r) for r in reqs], hook_expected=expected if mtp else None)
     assert all(outs[r] == w for r, w in expected.items())
     assert any(rows < 4 for rows, _, _ in calls), "no forward attended by groups"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.rejection_sampler import accept_sampled
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import RowSampler, SamplingParams
@@ -101,20 +102,31 @@ class OracleDraftEngine(BatchGenerator):
         def pick(step, logits, so_far):
             toks, qs = [], []
             for b, r in enumerate(rows):
-                ctx = mx.array(r.tokens + so_far[b].tolist(), dtype=mx.int32)
-                target = self.model(ctx[None])[0, -1:]
-                p = mx.exp(r.sampler.logprobs(r.sampler.process(target, [ctx])))
-                q = mx.log(0.8 * p + 0.2 / p.shape[-1])
+                q = self._draft_logprobs(r, r.tokens + so_far[b].tolist())
                 toks.append(mx.random.categorical(q, key=r.sampler.next_key())[0])
                 qs.append(q[0])
             return mx.stack(toks), mx.stack(qs)
 
         return pick
 
+    def _draft_logprobs(self, row, context):
+        """log q for `context`, each context's computed once: p depends on the context and
+        the sampling parameters alone, which every row of one engine shares (only the seeds
+        differ). The tests' rows share one short prompt, so a few hundred contexts serve
+        thousands of drafts."""
+        memo = self.__dict__.setdefault("_q_memo", {})
+        if tuple(context) not in memo:
+            ctx = mx.array(context, dtype=mx.int32)
+            target = self.model(ctx[None])[0, -1:]
+            p = mx.exp(row.sampler.logprobs(row.sampler.process(target, [ctx])))
+            memo[tuple(context)] = mx.log(0.8 * p + 0.2 / p.shape[-1])
+        return memo[tuple(context)]
+
 
 def _sample_tokens(model, tok, *, enable_mtp, rule, n, params, seed0, **engine_options):
-    eng = OracleDraftEngine(model, tok, enable_mtp=enable_mtp, num_draft=2, max_batch=64,
-                         prefix_cache_bytes=64 << 20, acceptance_rule=rule, **engine_options)
+    eng = OracleDraftEngine(model, tok, EngineConfig(enable_mtp=enable_mtp, num_draft=2, max_batch=64,
+                                                     prefix_cache_bytes=64 << 20, acceptance_rule=rule,
+                                                     **engine_options))
     prompt = [5, 17, 42, 9, 33, 2]
     # Distinct seeds per arm: paired seeds would share first tokens and deflate the statistic.
     for seed in range(seed0, seed0 + n):
@@ -251,7 +263,7 @@ def test_vectorised_rows_decide_as_row_by_row(k):
 
 
 def _run_together(model, tok, requests, **engine_options):
-    eng = BatchGenerator(model, tok, max_batch=8, prefix_cache_bytes=0, **engine_options)
+    eng = BatchGenerator(model, tok, EngineConfig(max_batch=8, prefix_cache_bytes=0, **engine_options))
     ids = [eng.submit(r) for r in requests]
     out = {i: [] for i in ids}
     while eng.has_work:

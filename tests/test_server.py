@@ -17,9 +17,10 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import Hook, ServerThread, streams_solo_and_together
+from server_helpers import Hook, ServerThread, served_engine, streams_solo_and_together
 
 from mlxmtp.server.app import create_app
+from mlxmtp.server.config import ServerConfig
 
 MODEL = "fixture"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
@@ -45,7 +46,7 @@ SCRIPTS = {
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(SCRIPTS, model_id=MODEL, max_concurrent=8, max_prompt_tokens=1500)
+    return start_server(SCRIPTS, model_id=MODEL, max_prompt_tokens=1500, engine=served_engine(max_batch=8))
 
 
 def chat(oai, text, **kw):
@@ -452,7 +453,7 @@ def test_strict_model_name(server_model):
     """--strict-model-name: only the model id and its aliases; others get a typed 404 on
     every endpoint."""
     model, tok = server_model
-    app = create_app(model, tok, model_id=MODEL, aliases=["my-alias"], strict_model_name=True)
+    app = create_app(model, tok, ServerConfig(model_id=MODEL, aliases=("my-alias",), strict_model_name=True))
     user = [{"role": "user", "content": "x"}]
     with ServerThread(app) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -495,7 +496,7 @@ def test_metrics_parse(server, oai):
 
 
 def test_metrics_show_the_prefix_cache(start_server):
-    srv = start_server(model_id=MODEL, prefix_cache_mb=64)
+    srv = start_server(model_id=MODEL, engine=served_engine(prefix_cache_bytes=64 << 20))
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
     first = chat(client, "the same long question " * 20, max_tokens=4)
     chat(client, "the same long question " * 20, max_tokens=4)
@@ -514,7 +515,7 @@ def test_finished_rows_are_stored_from_the_engine_thread(start_server):
     """A row that finishes in a cycle read synchronously (here: its logits processor forces
     a script, then EOS) is stored in the prefix cache then, on the engine's thread (MLX
     streams are per thread: an array made on another thread cannot be evaluated there)."""
-    srv = start_server(SCRIPTS, model_id=MODEL, prefix_cache_mb=64)
+    srv = start_server(SCRIPTS, model_id=MODEL, engine=served_engine(prefix_cache_bytes=64 << 20))
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
     for text in ("a first question FORCE:think", "a second one FORCE:think"):
         assert chat(client, text, max_tokens=40).choices[0].finish_reason == "stop"
@@ -528,7 +529,7 @@ def test_finished_rows_are_stored_from_the_engine_thread(start_server):
 def test_api_key(server_model):
     model, tok = server_model
     # Also the fixed-depth server option: every decode cycle drafts 2 tokens.
-    app = create_app(model, tok, model_id=MODEL, api_key="sekret", num_draft=2)
+    app = create_app(model, tok, ServerConfig(model_id=MODEL, api_key="sekret"), served_engine(num_draft=2))
     with ServerThread(app) as srv:
         assert httpx.get(srv.url + "/health").status_code == 200
         r = httpx.get(srv.url + "/v1/models")
@@ -571,7 +572,7 @@ def test_template_that_opens_think(tmp_path, server_model):
                                    tokenize=False, enable_thinking=True).endswith("<think>\n")
     hook = Hook(tok)
     hook.scripts["open"] = "I should greet.\n</think>\n\nHi!"
-    app = create_app(model, tok, model_id=MODEL, request_hook=hook)
+    app = create_app(model, tok, ServerConfig(model_id=MODEL), request_hook=hook)
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         r = chat(client, "FORCE:open", max_tokens=400, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
@@ -595,7 +596,7 @@ def test_experimental_cycles_serve_the_same_greedy_output(start_server, oai, opt
     default engine's."""
     import openai
 
-    srv = start_server(model_id=MODEL, **{option: True})
+    srv = start_server(model_id=MODEL, engine=served_engine(**{option: True}))
     piped = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
     pin = {"num_draft": 3}  # adaptive depth may stay at plain decoding on the fixture
     for text in ("def add(a, b):", "Write a loop"):
@@ -610,13 +611,13 @@ def test_cycle_costs_are_calibrated_before_the_first_request(server_model, monke
     """The server measures decode-cycle costs while starting, so no request waits for it."""
     from engine_helpers import calibration_calls
 
-    from mlxmtp.models.load import MTPModel
+    from mlxmtp.models.mtp_model import MTPModel
 
     base, tok = server_model
     model = MTPModel(base.base, base.parts, base.head, base.source, base.info, base.hidden_state,
                      vocab=base.vocab)  # the same weights, policies of its own
     calls = calibration_calls(monkeypatch)
-    with ServerThread(create_app(model, tok, model_id=MODEL)) as srv:
+    with ServerThread(create_app(model, tok, ServerConfig(model_id=MODEL))) as srv:
         assert calls == [1]  # before any request
         policy = srv.state.bridge.engine.policy
         assert not policy.needs_costs(1)

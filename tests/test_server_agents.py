@@ -8,16 +8,22 @@ web_search tools, `reasoning`, `include`, `store: false`, `prompt_cache_key`.
 
 Small bodies must stream complete, valid event sequences; bodies over the context must
 get each API's typed 400 (which the agents parse to compact their history) at once.
-The bodies here are written from the clients' field lists, not captured traffic.
+Those two bodies are written from the clients' field lists, not captured traffic.
+
+Qwen Code and OpenCode speak /v1/chat/completions; their bodies are cut down from requests
+they sent (Qwen Code 0.24.4, OpenCode 1.18.33 with `@ai-sdk/openai-compatible`): every field
+and value type kept, the system prompt and tools shortened. Their streams are read as those
+clients read them (chat_stream), through a tool call, its result and the answer.
 """
 
 import json
+import re
 import time
 
 import anthropic
 import httpx
 import pytest
-from server_helpers import Hook
+from server_helpers import Hook, served_engine
 
 SMALL_CONTEXT = 512  # the over-context server: the same bodies no longer fit
 
@@ -113,6 +119,116 @@ def codex_body(last_user: str, *, history: bool = False) -> dict:
     }
 
 
+def fn_tool(name: str, description: str, parameters=None) -> dict:
+    """An OpenAI chat completions tool; without `parameters` as Qwen Code sends its
+    argument-less tools (no `parameters` key at all)."""
+    f = {"name": name, "description": description}
+    if parameters is not None:
+        f["parameters"] = parameters
+    return {"type": "function", "function": f}
+
+
+# Five of the ten tools Qwen Code 0.24.4 sends (captured), descriptions cut, schema keywords
+# kept: a tool with no `parameters`, null in a type list, oneOf with a pattern, minLength,
+# additionalProperties false.
+QWEN_TOOLS = [
+    fn_tool("agent", "Launch a new agent.", {
+        "type": "object", "properties": {
+            "description": {"type": "string", "description": "A short (3-5 word) description of the task"},
+            "prompt": {"type": "string"},
+            "fork_turns": {"oneOf": [{"type": "string", "enum": ["all"]},
+                                     {"type": "string", "pattern": "^[1-9][0-9]*$"}]},
+            "run_in_background": {"type": "boolean", "default": True}},
+        "required": ["description", "prompt"]}),
+    fn_tool("get_goal", "Read the current Goal."),
+    fn_tool("glob", "Fast file pattern matching.", {
+        "properties": {"pattern": {"description": "The glob pattern", "type": "string"},
+                       "path": {"type": "string"}},
+        "required": ["pattern"], "type": "object"}),
+    fn_tool("read_file", "Reads a file.", {
+        "properties": {"file_path": {"type": "string"}, "offset": {"type": ["integer", "null"]}},
+        "required": ["file_path"], "type": "object"}),
+    fn_tool("tool_call", "Call a deferred tool.", {
+        "type": "object", "properties": {"name": {"type": "string", "minLength": 1}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False}),
+]
+
+
+def qwen_code_body(task: str, *, call: dict = None) -> dict:
+    """A Qwen Code 0.24.4 request as captured: a system prompt, the task as a user message of
+    text parts after <system-reminder> parts, tools, `max_tokens` 32000, a stream with usage.
+    With `call` (an OpenAI tool call object), the next turn: the assistant's call with
+    `content: null`, and the tool's result as text parts."""
+    messages = [
+        {"role": "system", "content": "You are Qwen Code, a non-interactive CLI agent developed by Alibaba Group."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>\nThe current date is: Wednesday, December 2, 2026.\n"
+                                     "</system-reminder>"},
+            {"type": "text", "text": task}]}]
+    if call:
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": [
+                         {"type": "text", "text": 'Found 2 file(s) matching "*":\n---\n/w/notes.txt\n/w/a.py'
+                                                  "\nFORCE:files-answer"}]}]
+    return {"model": "mlxmtp-demo", "messages": messages, "max_tokens": 32000, "stream": True,
+            "stream_options": {"include_usage": True}, "tools": QWEN_TOOLS}
+
+
+QWEN_HEADERS = {"user-agent": "QwenCode/0.24.4 (linux; x64)", "authorization": "Bearer anything",
+                "x-stainless-lang": "js", "x-stainless-package-version": "5.11.0"}
+
+# Three of OpenCode 1.18.33's ten tools (captured), descriptions cut, as its zod schemas come
+# out: the 2020-12 `$schema`, integers bounded by +-(2^53-1) with exclusiveMinimum, enum, default.
+OC_SCHEMA = "https://json-schema.org/draft/2020-12/schema"
+OPENCODE_TOOLS = [
+    fn_tool("bash", "Executes a given bash command.", {
+        "$schema": OC_SCHEMA, "type": "object", "properties": {
+            "command": {"type": "string", "description": "The command to execute"},
+            "timeout": {"minimum": -9007199254740991, "exclusiveMinimum": 0, "type": "integer",
+                        "maximum": 9007199254740991},
+            "workdir": {"type": "string"}},
+        "required": ["command"]}),
+    fn_tool("todowrite", "Maintain a task list.", {
+        "$schema": OC_SCHEMA, "type": "object", "properties": {"todos": {"type": "array", "items": {
+            "type": "object", "properties": {"content": {"type": "string"}, "status": {"type": "string"}},
+            "required": ["content", "status"]}}},
+        "required": ["todos"]}),
+    fn_tool("webfetch", "Fetches a URL.", {
+        "$schema": OC_SCHEMA, "type": "object", "properties": {
+            "url": {"type": "string"},
+            "format": {"type": "string", "enum": ["text", "markdown"], "default": "markdown"},
+            "timeout": {"type": "number"}},
+        "required": ["url"]}),
+]
+OPENCODE_HEADERS = {"user-agent": "opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14",
+                    "x-session-affinity": "ses_dcb33eb77ffe", "x-session-id": "ses_dcb33eb77ffe"}
+
+
+def opencode_body(task: str, *, call: dict = None) -> dict:
+    """An OpenCode 1.18.33 request (`@ai-sdk/openai-compatible`) as captured: `max_tokens`
+    (limit.output, 32000 by default), string contents, tools with `tool_choice: "auto"`, a
+    stream with usage. With `call`, the next turn: the assistant's call with `content: ""`
+    and the tool's output as a string."""
+    messages = [{"role": "system", "content": "You are opencode, an interactive CLI tool that helps users with "
+                                              "software engineering tasks."},
+                {"role": "user", "content": task}]
+    if call:
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": "a.py\nnotes.txt\nFORCE:files-answer\n"}]
+    return {"model": "mlxmtp-demo", "max_tokens": 32000, "messages": messages, "tools": OPENCODE_TOOLS,
+            "tool_choice": "auto", "stream": True, "stream_options": {"include_usage": True}}
+
+
+def opencode_title_body(task: str) -> dict:
+    """OpenCode's title request, sent beside a session's first turn: no tools, two user
+    messages in a row."""
+    return {"model": "mlxmtp-demo", "max_tokens": 32000, "messages": [
+        {"role": "system", "content": "You are a title generator. You output ONLY a thread title. Nothing else."},
+        {"role": "user", "content": "Generate a title for this conversation:\n"},
+        {"role": "user", "content": json.dumps(task)}],
+        "stream": True, "stream_options": {"include_usage": True}}
+
+
 SCRIPTS = {
     "cc": ('<think>\nRead the file.\n</think>\n\nReading it.\n\n<tool_call>\n{"name": "Read", "arguments": '
            '{"file_path": "/repo/a.py"}}\n</tool_call>'),
@@ -120,14 +236,34 @@ SCRIPTS = {
               '{"command": ["ls", "-la"]}}\n</tool_call>'),
     "text": "All done.",
     "docs": '<tool_call>\n{"name": "mcp__docs__search", "arguments": {"q": "rope"}}\n</tool_call>',
+    "qwen": '<tool_call>\n{"name": "glob", "arguments": {"pattern": "*"}}\n</tool_call>',
+    "opencode": '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
+    # after the tool's result (the marker rides in it; the longest marker in a body wins)
+    "files-answer": "Two files: a.py and notes.txt.",
+    # tool_choice "required": the prompt ends with the call's opening, the model writes the rest;
+    # each script breaks its tool's schema, which the call's grammar must not let through.
+    "required-qwen-pattern": ('{"name": "agent", "arguments": {"description": "d", "prompt": "p", '
+                              '"fork_turns": "07"}}\n</tool_call>'),
+    "required-qwen-null": '{"name": "read_file", "arguments": {"file_path": "/w/a.py", "offset": nil}}\n</tool_call>',
+    "required-oc": '{"name": "bash", "arguments": {"command": "ls", "timeout": 0}}\n</tool_call>',
 }
+
+
+class RecordingHook(Hook):
+    """Hook that also keeps the last prompt, rendered."""
+
+    prompt = ""
+
+    def __call__(self, req, body):
+        self.prompt = self.tok.decode(req.prompt)
+        super().__call__(req, body)
 
 
 @pytest.fixture(scope="module")
 def servers(start_server, server_model):
-    hook = Hook(server_model[1], SCRIPTS)
+    hook = RecordingHook(server_model[1], SCRIPTS)
     # The fixture tokenizer has few merges (~1 token a byte): 22 tools are ~6k tokens.
-    big = start_server(hook=hook, context_length=16384, prefix_cache_mb=64)  # id: mlxmtp-demo
+    big = start_server(hook=hook, context_length=16384, engine=served_engine(prefix_cache_bytes=64 << 20))  # id: mlxmtp-demo
     small = start_server(hook=hook, context_length=SMALL_CONTEXT)
     return big, small
 
@@ -189,6 +325,61 @@ def check_responses_stream(events) -> dict:
     assert [i["id"] for i in final["output"]] == [d["item"]["id"] for n, d in events
                                                   if n == "response.output_item.done"]
     return final
+
+
+def chat_stream(text: str) -> dict:
+    """A chat completions stream read the way Qwen Code (the openai SDK) and OpenCode (the AI
+    SDK) read it: `data:` lines of chat.completion.chunk ending with [DONE]; a tool call
+    opened by a delta with its index, id and function name, its arguments appended after
+    (the AI SDK takes a call as done once its arguments parse as JSON, and drops any later
+    delta of it); with `stream_options.include_usage`, the usage in a last chunk of no
+    choices. Returns the reply rebuilt: content, calls, finish reason, usage."""
+    blocks = text.strip().split("\n\n")
+    assert blocks[-1] == "data: [DONE]", blocks[-1]
+    chunks = []
+    for block in blocks[:-1]:
+        assert block.startswith("data: {") and "\n" not in block, block
+        chunks.append(json.loads(block[6:]))
+    assert {(c["object"], c["id"], c["model"]) for c in chunks} == {
+        ("chat.completion.chunk", chunks[0]["id"], chunks[0]["model"])}
+    usage = chunks[-1].get("usage")
+    if usage is not None:
+        assert chunks[-1]["choices"] == [] and all(c.get("usage") is None for c in chunks[:-1])
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        chunks = chunks[:-1]
+    content, calls, finishes = "", [], []
+    for c in chunks:
+        (choice,) = c["choices"]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or []:
+            if tc["index"] == len(calls):  # a new call
+                assert tc.get("type") == "function" and tc.get("id") and tc["function"].get("name"), tc
+                calls.append({"id": tc["id"], "name": tc["function"]["name"],
+                              "arguments": tc["function"].get("arguments") or "", "done": False})
+            else:
+                call = calls[tc["index"]]
+                assert not call["done"] and "id" not in tc, tc
+                call["arguments"] += tc["function"].get("arguments") or ""
+            try:
+                json.loads(calls[tc["index"]]["arguments"])
+                calls[tc["index"]]["done"] = True
+            except ValueError:
+                pass
+        if choice["finish_reason"] is not None:
+            finishes.append(choice["finish_reason"])
+    assert len(finishes) == 1 and chunks[-1]["choices"][0]["finish_reason"] == finishes[0], finishes
+    assert all(call["done"] for call in calls), calls
+    return {"content": content, "finish_reason": finishes[0], "usage": usage, "model": chunks[0]["model"],
+            "calls": [{"id": cl["id"], "type": "function",
+                       "function": {"name": cl["name"], "arguments": cl["arguments"]}} for cl in calls]}
+
+
+def post_chat(server, body: dict, headers: dict) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    return chat_stream(r.text)
 
 
 # ------------------------------------------------------------------ Claude Code
@@ -326,3 +517,64 @@ def test_chat_completions_over_context_is_typed(servers):
     assert time.perf_counter() - t0 < 1.0
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
+
+# ------------------------------------------------------------------ Qwen Code, OpenCode (chat completions)
+@pytest.mark.parametrize("client", ["qwen", "opencode"])
+def test_chat_agent_tool_call_round_trip(servers, client):
+    # One turn as each client runs it: its request, a tool call streamed back, the call and
+    # the tool's result sent back as the client sends them, and the answer.
+    big, _ = servers
+    body_of, headers = {"qwen": (qwen_code_body, QWEN_HEADERS), "opencode": (opencode_body, OPENCODE_HEADERS)}[client]
+    want = {"qwen": ("glob", {"pattern": "*"}), "opencode": ("bash", {"command": "ls"})}[client]
+    task = f"list the files in this folder FORCE:{client}"
+    first = post_chat(big, body_of(task), headers)
+    assert first["model"] == "mlxmtp-demo" and first["finish_reason"] == "tool_calls" and first["content"] == ""
+    (call,) = first["calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == want
+    assert first["usage"]["completion_tokens"] > 10 and first["usage"]["prompt_tokens"] > 1000
+    # The clients send the call back as they rebuilt it (their own JSON spacing).
+    call["function"]["arguments"] = json.dumps(json.loads(call["function"]["arguments"]), separators=(",", ":"))
+    second = post_chat(big, body_of(task, call=call), headers)
+    assert second["finish_reason"] == "stop" and second["calls"] == []
+    assert second["content"] == "Two files: a.py and notes.txt."
+    # The model reads its call as it wrote it, and the tool's result (text parts joined).
+    prompt = big.hook.prompt
+    assert SCRIPTS[client] + "<|im_end|>" in prompt
+    result = prompt.split("<tool_response>\n", 1)[1].split("</tool_response>")[0]
+    assert result.startswith({"qwen": 'Found 2 file(s) matching "*":\n', "opencode": "a.py\nnotes.txt\n"}[client])
+    usage = second["usage"]
+    assert usage["prompt_tokens"] > first["usage"]["prompt_tokens"]
+    # So the turn before, its prompt and the call, is read from the prefix cache.
+    assert usage["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"]
+
+
+def test_opencode_title_request(servers):
+    # Sent beside the session's first turn: no tools, two user messages in a row.
+    big, _ = servers
+    reply = post_chat(big, opencode_title_body("list the files in this folder FORCE:text"), OPENCODE_HEADERS)
+    assert reply["content"] == "All done." and reply["finish_reason"] == "stop" and reply["calls"] == []
+    assert reply["usage"]["completion_tokens"] > 1
+
+
+@pytest.mark.parametrize("script", ["required-qwen-pattern", "required-qwen-null", "required-oc"])
+def test_chat_agent_required_tool_call_holds_to_its_schemas(servers, script):
+    # `tool_choice: "required"` (Qwen Code sends it when a turn must call a tool) holds the
+    # call to a grammar of the client's tool schemas as it writes them: each scripted call
+    # breaks its schema (a pattern, an integer-or-null, exclusiveMinimum 0), and what comes
+    # back is the scripted call bent back into its schema.
+    big, _ = servers
+    qwen = script.startswith("required-qwen")
+    body = (qwen_code_body if qwen else opencode_body)(f"do it FORCE:{script}")
+    body["tool_choice"] = "required"
+    reply = post_chat(big, body, QWEN_HEADERS if qwen else OPENCODE_HEADERS)
+    assert big.hook.prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert reply["finish_reason"] == "tool_calls" and reply["content"] == ""
+    (call,) = reply["calls"]
+    name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+    if script == "required-qwen-pattern":  # scripted "07"
+        assert (name, args["description"], args["prompt"]) == ("agent", "d", "p")
+        assert re.fullmatch("[1-9][0-9]*", args["fork_turns"]), args
+    elif script == "required-qwen-null":  # scripted nil
+        assert (name, args) == ("read_file", {"file_path": "/w/a.py", "offset": None})
+    else:  # scripted 0
+        assert name == "bash" and args["command"] == "ls" and args["timeout"] > 0, args

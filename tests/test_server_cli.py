@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 from click.testing import CliRunner
 
-from mlxmtp.cli import main
+from mlxmtp.commands.main import main
 from mlxmtp.engine.limits import MAX_DRAFT_DEPTH
 from mlxmtp.engine.prefix_cache import default_budget
 from mlxmtp.testing.fixtures import write_hf_checkpoint
@@ -74,15 +74,16 @@ def test_the_default_prefix_cache_budget_leaves_room_for_the_model():
 
 
 def test_the_served_model_s_weights_reach_the_default_budget(tmp_path):
+    from mlxmtp.engine import budgets
+    from mlxmtp.engine.config import EngineConfig
     from mlxmtp.models.load import load
-    from mlxmtp.server.app import _weight_bytes, engine_options
 
     model, _ = load(str(write_hf_checkpoint(tmp_path / "m", "qwen3_5")))
-    weights = _weight_bytes(model)
+    weights = budgets.weight_bytes(model)
     assert weights > 0
     with mock.patch("mlx.core.device_info", return_value={"memory_size": weights * 6 // 5}):
-        options = engine_options(model, True, None, 8, None, False)
-    assert options["prefix_cache_bytes"] == (weights * 6 // 5 - weights) // 2
+        config = budgets.resolved(model, EngineConfig(prefix_cache_bytes=None))
+    assert config.prefix_cache_bytes == (weights * 6 // 5 - weights) // 2
 
 
 def test_serve_defaults(tmp_path, caplog):
@@ -180,7 +181,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with mock.patch("mlxmtp.server.cli._load") as load, mock.patch(RUN) as run:
+        with mock.patch("mlxmtp.commands.serve._load") as load, mock.patch(RUN) as run:
             res = CliRunner().invoke(main, ["serve", "--port", str(port)])
     assert res.exit_code != 0 and f"cannot listen on 127.0.0.1:{port}" in res.output
     load.assert_not_called()

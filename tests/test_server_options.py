@@ -6,8 +6,9 @@ from unittest import mock
 import httpx
 import pytest
 from click.testing import CliRunner
+from server_helpers import served_engine
 
-from mlxmtp.cli import main
+from mlxmtp.commands.main import main
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 RUN = "mlxmtp.server.shutdown.run_server"  # serving itself; mocked so nothing blocks
@@ -56,7 +57,7 @@ def test_max_tokens_limits_only_the_requests_that_set_none(start_server):
 
 def test_a_small_prefill_step_gives_the_same_output(start_server):
     prompt = {"messages": [{"role": "user", "content": WORDS * 2}], "max_tokens": 12, "temperature": 0}
-    chunked = start_server(prefill_step=16)
+    chunked = start_server(engine=served_engine(prefill_step=16))
     whole = start_server()
     a = _post(chunked, "/v1/chat/completions", prompt).json()
     b = _post(whole, "/v1/chat/completions", prompt).json()

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from mlxmtp.server.anthropic_input import anthropic_messages, anthropic_tools, listed_tools
-from mlxmtp.server.chat import build_prompt, encode_prompt, openai_messages, place_system, render
+from mlxmtp.server.chat import build_prompt, encode_prompt, place_system, render
 from mlxmtp.server.errors import APIError, anthropic_error_body, openai_error_body
+from mlxmtp.server.openai_input import openai_messages
 from mlxmtp.server.reasoning import OutputSplitter, split_all, starts_in_thinking
 from mlxmtp.server.tool_parsers import ToolParseError, parse_tool_call
 from mlxmtp.server.validation import field, parse_json_body

@@ -13,6 +13,7 @@ from mlx_lm.models import gated_delta
 from mlxmtp.engine import rejection_sampler
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.compiled_head import CompiledHead
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.policy import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import gdn_capture
@@ -98,7 +99,7 @@ def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k, mod
     different times, whatever each row keeps; drafting cycles synchronous, pipelined, or
     with the head's steps and the accept step compiled."""
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, prefill_step=64, **MODES[mode])
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, shape_stable=True, prefill_step=64, **MODES[mode]))
     reqs = [Request(prompt=prompt_of(n, seed=n), max_tokens=30) for n in (4, 90, 270)]
     want = {r.id: reference_greedy(ref, r.prompt, 30) for r in reqs}
     eng.draft_hook = oracle_hook(want, p_correct=0.6, seed=k)
@@ -119,7 +120,7 @@ def test_shape_stable_cycles_stay_exact_in_a_batch(fixture_model, family, k, mod
 def test_no_new_shapes_after_warm_up(fixture_model, monkeypatch, k, pipelined):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     # shape_stable: the default on GPU backends
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, pipeline_drafts=pipelined)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, shape_stable=True, pipeline_drafts=pipelined))
     rec = ShapeRecorder(monkeypatch, eng)
     for n in WARM_UP:
         for depth in range(1, k + 1):
@@ -152,7 +153,7 @@ def test_compiled_steps_trace_nothing_new_after_warm_up(fixture_model, monkeypat
     monkeypatch.setattr(CompiledHead, "_pure_step", counted_step)
     monkeypatch.setattr(model, "compiled_head", None)  # a new one, tracing through the counter
     monkeypatch.setattr(rejection_sampler, "compiled_accept_greedy", mx.compile(counted_accept))
-    eng = BatchGenerator(model, tok, num_draft=k, shape_stable=True, compile_steps=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, shape_stable=True, compile_steps=True))
     for n in WARM_UP:
         for depth in range(1, k + 1):
             run(eng, prompt_of(n, seed=n), 48, ref, depth)
@@ -173,7 +174,7 @@ def test_verify_calls_mlx_lm_gated_delta_dispatch(fixture_model, monkeypatch):
         return dispatch(q, *args, **kw)
 
     monkeypatch.setattr(gated_delta, "gated_delta_update", spy)
-    eng = BatchGenerator(model, tok, num_draft=3, shape_stable=True)
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, shape_stable=True))
     prompt = prompt_of(20, seed=1)
     assert run(eng, prompt, 30, ref) == reference_greedy(ref, prompt, 30)
     assert 4 in calls  # the verify's k+1 positions went through mlx-lm's dispatch
@@ -218,7 +219,7 @@ def test_no_new_shapes_after_warm_up_when_switching(fixture_model, monkeypatch, 
     """Switches between plain decoding and drafting: the head's catch-up over the inputs of
     a plain stretch of any length takes one of a few padded shapes (query_bucket)."""
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, shape_stable=True)
+    eng = BatchGenerator(model, tok, EngineConfig(shape_stable=True))
     rec = ShapeRecorder(monkeypatch, eng)
     for n in (5, 260):  # every stretch length bucket, in each capacity bucket used below
         eng.policy = ScriptedPolicy(switching_script([1, 2, 3, 5, 9, 17, 33, 70]), plain)

@@ -6,8 +6,10 @@ the output a full prefill gives."""
 import httpx
 import pytest
 from engine_helpers import loaded, prompt_of, reference_greedy
+from server_helpers import served_engine
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.server.chat import build_prompt
 from mlxmtp.server.shared_prefix import shared_prefix
@@ -36,8 +38,8 @@ def test_the_shared_part_ends_where_the_conversations_differ(server_model):
 @pytest.mark.parametrize("mtp", [True, False])
 def test_the_second_conversation_starts_from_the_first_ones_shared_state(fixture_model, mtp):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, enable_mtp=mtp, num_draft=2 if mtp else None, prefix_cache_bytes=256 << 20,
-                         prefill_step=64)
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=2 if mtp else None,
+                                                  prefix_cache_bytes=256 << 20, prefill_step=64))
     system = prompt_of(200, seed=11)
     prompts = [system + prompt_of(9, seed=12), system + prompt_of(5, seed=13)]
     cached = []
@@ -55,7 +57,7 @@ def test_the_second_conversation_starts_from_the_first_ones_shared_state(fixture
 
 def test_a_hint_shorter_than_a_chunk_stores_nothing(fixture_model):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
-    eng = BatchGenerator(model, tok, prefix_cache_bytes=256 << 20, prefill_step=64)
+    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=256 << 20, prefill_step=64))
     system = prompt_of(40, seed=14)  # cheaper to prefill again than to keep
     eng.submit(Request(prompt=system + prompt_of(30, seed=15), max_tokens=2, shared_prefix=len(system)))
     while eng.has_work:
@@ -66,8 +68,8 @@ def test_a_hint_shorter_than_a_chunk_stores_nothing(fixture_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_a_server_reads_the_system_prompt_of_the_second_conversation_from_the_cache(start_server, api):
-    cached_server = start_server(prefix_cache_mb=64, prefill_step=64)
-    plain_server = start_server(prefix_cache_mb=0)
+    cached_server = start_server(engine=served_engine(prefix_cache_bytes=64 << 20, prefill_step=64))
+    plain_server = start_server(engine=served_engine(prefix_cache_bytes=0))
     answers = {}
     for srv in (cached_server, plain_server):
         for text in ("Is this loop right?", "Rename the class."):
@@ -98,7 +100,7 @@ def test_a_system_prompts_state_is_written_and_restored_after_a_restart(fixture_
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
 
     def engine():
-        eng = BatchGenerator(model, tok, prefix_cache_bytes=256 << 20, prefill_step=64)
+        eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=256 << 20, prefill_step=64))
         prefix_disk.attach(eng, tmp_path, 64 << 20)
         return eng
 

@@ -202,7 +202,7 @@ def test_empty_api_key_is_refused_at_startup(args, env):
     full_env = {k: v for k, v in os.environ.items() if k != "MLXMTP_API_KEY"}
     full_env.update(env)
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "mlxmtp.cli", "serve", "--port", str(port), *args],
+    res = subprocess.run([sys.executable, "-m", "mlxmtp.commands", "serve", "--port", str(port), *args],
                          capture_output=True, text=True, env=full_env, timeout=120)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "API key is empty" in res.stderr

@@ -13,8 +13,10 @@ import mlx.core as mx
 import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of
 from mlx_lm.generate import generate_step
+from server_helpers import served_engine
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.server.structured_output import grammar_for, grammar_processor, serve_tokenizer
@@ -55,7 +57,7 @@ def test_held_output_equals_mlx_lm_at_every_depth_and_acceptance_length(fixture_
     want = mlx_lm_held(ref, tok, prompt)
     assert want[-1] in tok.eos_token_ids and valid(json.loads(tok.decode(want[:-1])))
     for k in (0, 1, 2, 4):
-        eng = BatchGenerator(model, tok, num_draft=k)
+        eng = BatchGenerator(model, tok, EngineConfig(num_draft=k))
         req = Request(prompt=prompt, max_tokens=600, params=SamplingParams(logits_processors=[held(tok, prompt)]))
         eng.submit(req)
         # Drafts right with p = 0.7: every acceptance length occurs, so the matcher rolls
@@ -75,7 +77,7 @@ def test_sampled_held_output_is_valid_at_every_depth(fixture_model):
         for seed in range(3):
             prompt = prompt_of(9, seed=seed)
             params = SamplingParams(temperature=1.0, seed=seed, logits_processors=[held(tok, prompt)])
-            eng = BatchGenerator(model, tok, num_draft=k)
+            eng = BatchGenerator(model, tok, EngineConfig(num_draft=k))
             eng.submit(Request(prompt=prompt, max_tokens=600, params=params))
             got = []
             while eng.has_work:
@@ -87,7 +89,7 @@ def test_sampled_held_output_is_valid_at_every_depth(fixture_model):
 # ------------------------------------------------------------------ the APIs' format fields
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(max_concurrent=4)
+    return start_server(engine=served_engine(max_batch=4))
 
 
 @pytest.mark.slow
@@ -228,7 +230,7 @@ def test_an_answer_the_grammar_stops_holding_fails_rather_than_going_on_free(fix
     # then cannot build; compile_schema refuses it up front, so it is built here directly).
     import llguidance
 
-    from mlxmtp.server.structured_output import GrammarError
+    from mlxmtp.server.grammar_mask import GrammarError
 
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     serve_tokenizer(tok, 320)

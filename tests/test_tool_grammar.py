@@ -9,7 +9,7 @@ import anthropic
 import llguidance
 import openai
 import pytest
-from server_helpers import ServerThread
+from server_helpers import ServerThread, served_engine
 
 from mlxmtp.server import structured_output, tool_grammar
 from mlxmtp.server.app import create_app
@@ -121,7 +121,7 @@ def test_forced_calls_of_the_demo_model_are_calls_of_the_schema():
     from mlxmtp.models.load import load
 
     model, tok = load(None)
-    with ServerThread(create_app(model, tok, prefix_cache_mb=64)) as srv:  # the tools' prompt once
+    with ServerThread(create_app(model, tok, engine=served_engine(prefix_cache_bytes=64 << 20))) as srv:  # the tools' prompt once
         every_forced_call(srv.url, every=False)
 
 
@@ -135,5 +135,5 @@ def test_forced_calls_in_qwen3_coder_syntax_are_calls_of_the_schema(server_model
     xml_tok._tokenizer = type(tok._tokenizer).from_pretrained(tok._tokenizer.name_or_path)
     xml_tok._tokenizer.chat_template = tok._tokenizer.chat_template + "{#- calls: <function=NAME> #}"
     assert tool_grammar.is_xml(xml_tok)
-    with ServerThread(create_app(model, xml_tok, prefix_cache_mb=64)) as srv:
+    with ServerThread(create_app(model, xml_tok, engine=served_engine(prefix_cache_bytes=64 << 20))) as srv:
         every_forced_call(srv.url, every=True)

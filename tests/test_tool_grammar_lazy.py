@@ -18,10 +18,11 @@ import openai
 import pytest
 from engine_helpers import loaded, oracle_hook, prompt_of
 from mlx_lm.generate import generate_step
-from server_helpers import ServerThread
+from server_helpers import ServerThread, served_engine
 from test_tool_grammar import PARAMS, TOOLS, valid
 
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.server import call_hold, structured_output, tool_grammar
@@ -190,7 +191,7 @@ def test_held_calls_equal_mlx_lm_at_every_depth_and_acceptance_length(fixture_mo
     calls = calls_in(tok, want, trigger, end)
     assert len(calls) == 2 and all(valid(name, args) for name, args in calls), calls
     for k in (0, 2, 4):
-        eng = BatchGenerator(model, tok, num_draft=k)
+        eng = BatchGenerator(model, tok, EngineConfig(num_draft=k))
         procs = [opener(len(prompt), trigger, end), lazy_processor(tok, len(prompt), xml)]
         req = Request(prompt=prompt, max_tokens=300, params=SamplingParams(logits_processors=procs))
         eng.submit(req)
@@ -226,13 +227,14 @@ def demo_servers():
 
     from mlxmtp.models.load import load
     from mlxmtp.server.app import create_app
+    from mlxmtp.server.config import ServerConfig
 
     model, tok = load(None)
     with contextlib.ExitStack() as stack:
         servers = {}
-        for name, options in (("plain", {}), ("flag", {"constrain_tool_calls": True}),
-                              ("flag_no_mtp", {"constrain_tool_calls": True, "enable_mtp": False})):
-            app = create_app(model, tok, prefix_cache_mb=64, request_hook=Opener(tok), **options)
+        for name, flag, mtp in (("plain", False, True), ("flag", True, True), ("flag_no_mtp", True, False)):
+            app = create_app(model, tok, ServerConfig(constrain_tool_calls=flag),
+                             served_engine(prefix_cache_bytes=64 << 20, enable_mtp=mtp), request_hook=Opener(tok))
             servers[name] = stack.enter_context(ServerThread(app))
         assert servers["flag"].state.mtp_active and not servers["flag_no_mtp"].state.mtp_active
         yield {name: srv.url for name, srv in servers.items()}
@@ -340,7 +342,7 @@ def test_the_flag_reaches_the_server(tmp_path, keep_served):
 
     from click.testing import CliRunner
 
-    from mlxmtp.cli import main
+    from mlxmtp.commands.main import main
     from mlxmtp.testing.fixtures import write_hf_checkpoint
 
     path = write_hf_checkpoint(tmp_path / "m", "qwen3_5")

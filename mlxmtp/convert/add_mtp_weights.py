@@ -25,7 +25,8 @@ import mlx.core as mx
 from ..checkpoint import hf_head, mtp_folder
 from ..checkpoint.tensor_files import TensorReader, nbytes
 from ..mlxlm.family import text_parts
-from ..models.load import MTPLoadError, build_head, check_norm_convention
+from ..models.errors import MTPLoadError
+from ..models.head_build import build_head, check_norm_convention
 from .plan import (
     AddMTPError,
     Echo,

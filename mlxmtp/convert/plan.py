@@ -22,7 +22,8 @@ from ..checkpoint import hf_head, mtp_folder
 from ..checkpoint.tensor_files import ST_DTYPES, TensorFileError, TensorReader, nbytes
 from ..mlxlm.family import UnsupportedModelError, family_of
 from ..models import demo
-from ..models.load import ModelLoadError, hub_snapshot
+from ..models.errors import ModelLoadError
+from ..models.hub import hub_snapshot
 
 
 class AddMTPError(ValueError):

@@ -97,7 +97,7 @@ def _shape_problems(p: Plan, target, parts) -> List[str]:
 
 
 def _norm_problems(p: Plan, parts) -> List[str]:
-    """The rule of `load.check_norm_convention` (hf_head.misshifted_norms), before writing:
+    """The rule of `models.head_build.check_norm_convention` (hf_head.misshifted_norms), before writing:
     after our +1 the head's norms must sit near the target's (already shifted) final norm."""
     with cpu():
         bad = list(hf_head.misshifted_norms(_source_norms(p), parts.backbone.norm.weight))

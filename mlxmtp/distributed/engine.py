@@ -31,6 +31,7 @@ from typing import Callable, List, Optional
 
 from ..engine import memory
 from ..engine.batch import BatchGenerator
+from ..engine.config import EngineConfig
 from ..engine.request import Event, Request
 from ..engine.scheduler import Inbox
 from .channel import Channel
@@ -54,9 +55,11 @@ def exit_on_fatal(message: str) -> None:
 
 
 class DistributedEngine(BatchGenerator):
-    def __init__(self, model, tokenizer, *, group, dist_timeout: float = 30.0,
-                 on_fatal: Optional[Callable[[str], None]] = None, **engine_kwargs):
-        super().__init__(model, tokenizer, **engine_kwargs)
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *, group, dist_timeout: float = 30.0,
+                 on_fatal: Optional[Callable[[str], None]] = None):
+        if config.prefix_cache_dir:  # each rank would load and evict on its own
+            raise ValueError("a prefix cache on disk is not supported across ranks (mlx.launch)")
+        super().__init__(model, tokenizer, config)
         self.channel = Channel(group)
         self.policy = SharedPolicy(self.policy, self.channel, news=lambda: self.outbox.has_changes,
                                    digest=lambda: self.digest, check=self._check_digest)

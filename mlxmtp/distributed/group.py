@@ -4,6 +4,7 @@ hidden states, and nothing else would notice)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..checkpoint import mtp_folder, tensor_files
+from ..engine.config import EngineConfig
 from .channel import Channel
 
 # What identifies a model folder: its configs and its weight index (or the headers of its
@@ -43,14 +45,18 @@ def folder_fingerprint(model_dir: Path) -> bytes:
     return h.digest()
 
 
-def _digest(settings: dict) -> bytes:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).digest()
+def setup_digest(config: Optional[EngineConfig] = None, load_options: Optional[dict] = None) -> bytes:
+    """What a rank compares with rank 0's besides the model folder: every field of the
+    engine config it builds its engine from, and the options it loaded the model with."""
+    setup = {"engine": dataclasses.asdict(config) if config is not None else {}, "load": load_options or {}}
+    return hashlib.sha256(json.dumps(setup, sort_keys=True, default=str).encode()).digest()
 
 
-def check_same_setup(channel: Channel, model_dir: Path, settings: Optional[dict] = None) -> None:
+def check_same_setup(channel: Channel, model_dir: Path, config: Optional[EngineConfig] = None,
+                     load_options: Optional[dict] = None) -> None:
     """Raise SetupMismatchError, on every rank alike, unless every rank has the same model
-    folder (by fingerprint) and the same engine settings as rank 0."""
-    mine = folder_fingerprint(model_dir) + _digest(settings or {})
+    folder (by fingerprint), engine config and load options as rank 0 (setup_digest)."""
+    mine = folder_fingerprint(model_dir) + setup_digest(config, load_options)
     everyone = channel.gather_bytes(mine, 64)
     folders = [r for r, d in enumerate(everyone) if d[:32] != everyone[0][:32]]
     if folders:

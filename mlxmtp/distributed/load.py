@@ -12,20 +12,25 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..checkpoint.split_plan import Plan, make_plan
+from ..engine.config import EngineConfig
 from ..models import demo
-from ..models.load import load, resolve_model_path
+from ..models.load import load
+from ..models.model_folder import resolve_model_path
 from .channel import Channel
 from .group import check_same_setup
 
 log = logging.getLogger("mlxmtp.distributed")
 
 
-def load_on_rank(group, path_or_hf_id: Optional[str], settings: dict, **load_options) -> Tuple[object, object, Plan]:
-    """(MTPModel with this rank's layers, tokenizer, plan); `load_options` go to models.load."""
+def load_on_rank(group, path_or_hf_id: Optional[str], config: EngineConfig,
+                 **load_options) -> Tuple[object, object, Plan]:
+    """(MTPModel with this rank's layers, tokenizer, plan); `config`: the engine config this
+    rank will build its engine from, checked with `load_options` (which go to models.load)
+    to be rank 0's."""
     src = str(demo.resolve(path_or_hf_id))  # the demo: by default, or by its name
     local = Path(src).expanduser().exists()
     config_dir = resolve_model_path(src, weight_files=[])  # configs only, for a Hub id
-    check_same_setup(Channel(group), config_dir, settings)
+    check_same_setup(Channel(group), config_dir, config, load_options)
     model_dir, plan = fetch_share(src, config_dir, group.rank(), group.size())
     share = plan.share(group.rank())
     log.info("rank %d of %d: layers %d-%d of %d", group.rank(), group.size(), share.layers[0], share.layers[1] - 1,

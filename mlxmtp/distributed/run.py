@@ -6,19 +6,20 @@ from __future__ import annotations
 from typing import Optional
 
 from ..checkpoint.split_plan import Plan
+from ..engine.config import EngineConfig
 from ..engine.generate import GenerationResult, generate
 from .engine import DistributedEngine
 from .load import bytes_per_rank
 
 
-def generate_on_ranks(group, plan: Plan, model, tok, ids, *, dist_timeout: float, engine_options: dict,
+def generate_on_ranks(group, plan: Plan, model, tok, ids, *, dist_timeout: float, config: EngineConfig,
                       **generate_options) -> Optional[GenerationResult]:
     """Rank 0: the result (`generate_options` as engine.generate takes them), with
     `distributed`, what `generate --json` reports as `stats.distributed`: the split, the
     bytes each rank holds and its peak memory after loading, the control messages. Other
     ranks: None, once rank 0 is done."""
     loaded, peaks = bytes_per_rank(group, model)  # peaks: after loading, before decoding
-    engine = DistributedEngine(model, tok, group=group, dist_timeout=dist_timeout, **engine_options)
+    engine = DistributedEngine(model, tok, config, group=group, dist_timeout=dist_timeout)
     if not engine.leader:
         engine.follow()
         return None

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 from typing import List, Optional, Set
 
 import mlx.core as mx
 
 from ..mlxlm import adapter
-from . import calibration, cycle, head_inputs, memory, scheduler
+from . import budgets, calibration, cycle, head_inputs, memory, prefix_disk, scheduler
+from .config import EngineConfig
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
-from .limits import MAX_DRAFT_DEPTH, PREFILL_STEP
 from .output import emit_cycle
 from .pieces import cycle_modes, model_pieces, shared_policy
 from .prefill import Prefiller
@@ -45,28 +46,25 @@ from .verify import draft_picker
 
 
 class BatchGenerator:
-    def __init__(self, model, tokenizer, *, enable_mtp: bool = True, num_draft: Optional[int] = None,
-                 max_depth: int = MAX_DRAFT_DEPTH, max_batch: int = 16, prefill_step: int = PREFILL_STEP,
-                 prefix_cache_bytes: int = 0, acceptance_rule: str = "exact", profile: bool = False,
-                 shape_stable: Optional[bool] = None, pipeline_drafts: bool = False, compile_steps: bool = False,
-                 memory_bytes: int = 0, prefix_cache_entries: Optional[int] = None):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.policy = shared_policy(model, max_depth, num_draft)
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig()):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config  # as given: what the ranks of a distributed run compare
+        c = budgets.resolved(model, config)
+        self.policy = shared_policy(model, c.max_depth, c.num_draft)
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
-        self.max_batch = max_batch
-        self.acceptance_rule = acceptance_rule
+        self.max_batch = c.max_batch
+        self.acceptance_rule = c.acceptance_rule
         # profile: drafts evaluated on their own, to split device time (for benchmarks).
-        self.profile = profile
-        self.shape_stable, self.pipeline_drafts = cycle_modes(shape_stable, pipeline_drafts, profile)
+        self.profile = c.profile
+        self.shape_stable, self.pipeline_drafts = cycle_modes(c.shape_stable, c.pipeline_drafts, c.profile)
         # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py).
-        self.pieces = model_pieces(model, enable_mtp, compile_steps)
+        self.pieces = model_pieces(model, c.enable_mtp, c.compile_steps)
         adapter.prepare_model(self.pieces.parts.text_model)
         self.vocab_size = self.pieces.parts.args.vocab_size
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_entries)
-        self.prefiller = Prefiller(self.pieces, self.prefix_cache, prefill_step)
+        self.prefix_cache = PrefixCache(c.prefix_cache_bytes, c.prefix_cache_entries)
+        self.prefiller = Prefiller(self.pieces, self.prefix_cache, c.prefill_step)
         # memory_bytes: what running rows and the prefix cache may hold together (0: unbounded).
-        self.memory = memory.guard_for(self.pieces, memory_bytes, self.prefix_cache)
+        self.memory = memory.guard_for(self.pieces, c.memory_bytes, self.prefix_cache)
         self.batch = Batch(self.shape_stable, head_width=self.max_depth + 1)
         self.waiting: deque = deque()  # Rows not yet prefilled
         self.inbox = scheduler.Inbox()
@@ -78,6 +76,8 @@ class BatchGenerator:
         # row emits in a cycle not read yet (a drafting cycle built on an unread one).
         self.draft_hook = None
         self._inflight: Optional[Cycle] = None  # a pipelined cycle not read yet
+        if c.prefix_cache_dir:  # the prefix cache's disk tier (engine/prefix_disk.py)
+            prefix_disk.attach(self, Path(c.prefix_cache_dir), c.prefix_cache_disk_mb << 20)
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:

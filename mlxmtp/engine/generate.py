@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 from .batch import BatchGenerator
+from .config import EngineConfig
 from .request import Event, Request, RequestStats
 from .sampling import SamplingParams
 
@@ -21,10 +22,10 @@ class GenerationResult:
 
 def stream_generate(model, tokenizer, prompt: List[int], *, max_tokens: int = 256,
                     params: Optional[SamplingParams] = None, stop: Optional[List[str]] = None,
-                    enable_mtp: bool = True, num_draft: Optional[int] = None,
-                    engine: Optional[BatchGenerator] = None, **engine_kwargs) -> Iterator[Event]:
-    engine = engine or BatchGenerator(model, tokenizer, enable_mtp=enable_mtp, num_draft=num_draft,
-                                      **engine_kwargs)
+                    config: EngineConfig = EngineConfig(),
+                    engine: Optional[BatchGenerator] = None) -> Iterator[Event]:
+    """The request's events, on `engine`, or on one built from `config`."""
+    engine = engine or BatchGenerator(model, tokenizer, config)
     req = Request(prompt=list(prompt), max_tokens=max_tokens, params=params or SamplingParams(),
                   stop=list(stop or []))
     engine.submit(req)

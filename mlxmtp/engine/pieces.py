@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..mlxlm.family import TextParts, text_parts
-from ..models.load import MTPModel
 from ..models.mtp_head import MTPHead
+from ..models.mtp_model import MTPModel
 from .adaptive import DepthPolicy
 from .compiled_head import CompiledHead
 from .proposer import Vocab

@@ -9,16 +9,18 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from . import gdn_capture, row_attention
-from .family import TextParts
+from .family import TextParts, check_patched
 from .pipeline import local_layers
 from .ragged_cache import RaggedKVCache
 
 
 def prepare_model(model: nn.Module) -> None:
     """One-time patches: rollback's records (gdn_capture) and attention per group of rows
-    in batches of very different lengths (row_attention); both change no output."""
+    in batches of very different lengths (row_attention); both change no output. A layer
+    they did not reach is refused now (family.check_patched)."""
     gdn_capture.install(model)
     row_attention.install()
+    check_patched(local_layers(model.model))
 
 
 def is_linear(layer) -> bool:

@@ -1,18 +1,80 @@
-"""Which Qwen family a checkpoint is, and where its parts live inside the mlx-lm model.
+"""The supported model families: one `Family` each (its layer classes in mlx-lm, what
+mlxmtp patches in them, its Hugging Face tensor conventions), which Qwen family a checkpoint
+is, and where its parts live inside the mlx-lm model.
 
 mlx-lm nests Qwen3.5 under `language_model`, Qwen3-Next is flat; everything else in
-mlxmtp goes through `TextParts` so it never has to care.
+mlxmtp goes through `TextParts` so it never has to care. Adding a family: its `Family` in
+FAMILIES (the patches then cover its modules, and `check_patched` holds them to it) and
+its fixtures (mlxmtp/testing).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-SUPPORTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# What mlxmtp patches for each kind of layer: the function the layer's own mlx-lm module
+# looks up by name at call time, replaced in that module (gdn_capture.py: the Gated
+# DeltaNet's recurrence, recorded for rollback; row_attention.py: attention per row group).
+PATCHED = {"linear_attention": "gated_delta_update", "attention": "scaled_dot_product_attention"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported family: the names of its layer classes in `mlx_lm.models.<module>`
+    (defined there or taken from another family's file), and how its HF checkpoints name
+    their tensors (`text_prefix`: where the text model's are; `expert_layout`: how the
+    backbone stores its experts, "per_expert" or "fused", None when it has none)."""
+
+    model_type: str
+    module: str
+    decoder_layer: str
+    linear_attention: str  # the Gated DeltaNet
+    attention: str
+    mlp: str
+    moe: str
+    text_prefix: str
+    expert_layout: Optional[str]
+
+    def layer_class(self, kind: str) -> type:
+        """The mlx-lm class of one of the fields above ("decoder_layer", "attention", ...)."""
+        # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
+        return getattr(importlib.import_module(f"mlx_lm.models.{self.module}"), getattr(self, kind))
+
+    def patched_module(self, kind: str):
+        """The mlx-lm module whose `PATCHED[kind]` the layers of `kind` call: their class's own."""
+        return sys.modules[self.layer_class(kind).__module__]
+
+
+FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
+    Family("qwen3_next", "qwen3_next", "Qwen3NextDecoderLayer", "Qwen3NextGatedDeltaNet", "Qwen3NextAttention",
+           "Qwen3NextMLP", "Qwen3NextSparseMoeBlock", text_prefix="model", expert_layout="per_expert"),
+    Family("qwen3_5", "qwen3_5", "DecoderLayer", "GatedDeltaNet", "Attention", "MLP", "SparseMoeBlock",
+           text_prefix="model.language_model", expert_layout=None),
+    # mlx-lm's qwen3_5_moe.py builds Qwen3.5's layers; the checkpoints fuse the experts.
+    Family("qwen3_5_moe", "qwen3_5", "DecoderLayer", "GatedDeltaNet", "Attention", "MLP", "SparseMoeBlock",
+           text_prefix="model.language_model", expert_layout="fused"),
+)}
+SUPPORTED = tuple(FAMILIES)
+
+
+@functools.lru_cache(maxsize=None)
+def patched_modules(kind: str) -> tuple:
+    """Every family's mlx-lm modules whose `PATCHED[kind]` the patch for `kind` replaces."""
+    modules = {id(m): m for m in (f.patched_module(kind) for f in FAMILIES.values())}
+    return tuple(modules.values())
+
+
+@functools.lru_cache(maxsize=None)
+def layer_classes(kind: str) -> Tuple[type, ...]:
+    """Every family's mlx-lm class of `kind` ("linear_attention", "attention", ...)."""
+    return tuple({f.layer_class(kind) for f in FAMILIES.values()})
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +112,10 @@ class TextParts:
         return self.backbone.embed_tokens
 
     @property
+    def spec(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
     def tied(self) -> bool:
         return bool(self.args.tie_word_embeddings)
 
@@ -63,10 +129,7 @@ class TextParts:
         """A constructor for one full-attention decoder layer of this family (the MTP layer)."""
         args = self.args
         attn_idx = args.full_attention_interval - 1  # an index whose layer is full attention
-        # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
-        from mlx_lm.models import qwen3_5, qwen3_next
-
-        Layer = qwen3_next.Qwen3NextDecoderLayer if self.family == "qwen3_next" else qwen3_5.DecoderLayer
+        Layer = self.spec.layer_class("decoder_layer")
         return lambda: Layer(args, attn_idx)
 
 
@@ -79,12 +142,8 @@ def text_parts(model: nn.Module) -> TextParts:
 
 def mlp_classes(family: str):
     """(dense MLP class, sparse MoE class) of a family's decoder layers."""
-    # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
-    from mlx_lm.models import qwen3_5, qwen3_next
-
-    if family == "qwen3_next":
-        return qwen3_next.Qwen3NextMLP, qwen3_next.Qwen3NextSparseMoeBlock
-    return qwen3_5.MLP, qwen3_5.SparseMoeBlock
+    spec = FAMILIES[family]
+    return spec.layer_class("mlp"), spec.layer_class("moe")
 
 
 def attention_mask(h: mx.array, cache):
@@ -93,3 +152,33 @@ def attention_mask(h: mx.array, cache):
     from mlx_lm.models.base import create_attention_mask
 
     return create_attention_mask(h, cache)
+
+
+class UnpatchedLayerError(RuntimeError):
+    """A layer of the model is one no supported family declares, or one a patch missed."""
+
+
+def check_patched(layers: List[nn.Module]) -> None:
+    """Refuse, before the first forward, a model whose layers the patches did not all reach
+    (called once they are installed): each layer must be the decoder layer of a supported
+    family, with that family's attention classes, each calling the patched function and the
+    Gated DeltaNet its recording conv. A family added without its patches fails here, at
+    start-up, rather than at its first rollback."""
+    # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
+    from mlx_lm.models import base, gated_delta
+
+    stock = {"gated_delta_update": gated_delta.gated_delta_update,
+             "scaled_dot_product_attention": base.scaled_dot_product_attention}
+    for i, layer in enumerate(layers):
+        spec = next((f for f in FAMILIES.values() if type(layer) is f.layer_class("decoder_layer")), None)
+        if spec is None:
+            raise UnpatchedLayerError(f"layer {i} is a {type(layer).__name__}, which no supported family "
+                                      f"({', '.join(SUPPORTED)}) declares")
+        kind, part = ("linear_attention", layer.linear_attn) if layer.is_linear else ("attention", layer.self_attn)
+        name = PATCHED[kind]
+        looked_up = getattr(sys.modules[type(part).__module__], name, stock[name])
+        if type(part) is not spec.layer_class(kind) or looked_up is stock[name] or (
+                kind == "linear_attention" and type(part.conv1d) is nn.Conv1d):
+            raise UnpatchedLayerError(f"layer {i} ({type(part).__module__}.{type(part).__name__}) is not patched "
+                                      f"for {spec.model_type}: its {name} or its class is not the one mlxmtp "
+                                      "patches (mlxmtp/mlxlm/family.py: FAMILIES)")

@@ -34,7 +34,9 @@ from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gated_delta, qwen3_5, qwen3_next
+from mlx_lm.models import gated_delta
+
+from .family import layer_classes, patched_modules
 
 
 @dataclass
@@ -203,11 +205,11 @@ def install(model: nn.Module) -> None:
     model (idempotent); outside an active recorder they change nothing."""
     # Both model files import the function by name: patched where it is looked up. The
     # dispatch looks its ops path up in its own module when it takes it.
-    for module in (qwen3_5, qwen3_next):
+    for module in patched_modules("linear_attention"):
         if module.gated_delta_update is not _recording_update:
             module.gated_delta_update = _recording_update
     gated_delta.gated_delta_ops = _recording_ops
     for _, m in model.named_modules():
-        if isinstance(m, (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)):
+        if isinstance(m, layer_classes("linear_attention")):
             if type(m.conv1d) is nn.Conv1d:
                 m.conv1d.__class__ = RecordingConv1d

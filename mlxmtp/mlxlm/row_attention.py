@@ -23,7 +23,9 @@ from functools import lru_cache
 from typing import Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models import base, qwen3_next
+from mlx_lm.models import base
+
+from .family import patched_modules
 
 # A separate attention call is made when it saves at least this many key positions that the
 # padded call would read (summed over the rows): below that, one more launch costs more than
@@ -89,4 +91,5 @@ def install() -> None:
     """Route mlx-lm's Qwen attention (Qwen3.5 uses Qwen3-Next's class) through `attention`;
     other caches than RaggedKVCache never plan groups, so nothing else changes."""
     # The model file imports the function by name: patched where it is looked up.
-    qwen3_next.scaled_dot_product_attention = attention
+    for module in patched_modules("attention"):
+        module.scaled_dot_product_attention = attention

@@ -1,7 +1,7 @@
 """The token embedding and output projection as the MTP head's draft steps use them.
 
 On MLX's CPU backend a half-precision matrix times a float32 activation (the head
-computes in float32 there, see load.build_head) casts the whole matrix on every call:
+computes in float32 there, see head_build.build_head) casts the whole matrix on every call:
 for the tied 2048 x 192 table of the demo model the draft step's lm_head took ~1.5 ms of
 a ~3.5 ms step, against ~0.7 ms with a float32 copy. So on the CPU, for unquantized
 tables up to `MAX_COPY_BYTES`, the drafter keeps its own float32 copy. Drafts are always

@@ -19,12 +19,12 @@ from typing import List, Optional, Tuple
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
+from .answer_hold import hold_to_format
 from .anthropic_input import anthropic_messages, anthropic_tools, continues_prefill, listed_tools
 from .chat import Prompt, build_prompt
 from .errors import APIError
 from .generation import Generation
 from .request_path import Reply, check_model, handle, new_generation, sse_event
-from .structured_output import hold_to_format
 from .thinking_budget import add_budget
 from .validation import anthropic_tool_choice, field, parse_json_body, sampling_params, string_list
 

@@ -17,9 +17,9 @@ import mlx.core as mx
 from ..engine.sampling import CYCLE_REACH
 from . import tool_grammar
 from .errors import APIError
+from .grammar_mask import GrammarProcessor
 from .structured_output import (
     _MODEL,
-    GrammarProcessor,
     _added_token,
     _matcher,
     _pattern_error,

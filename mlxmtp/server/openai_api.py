@@ -1,13 +1,13 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions.
 
 Each generating endpoint is its body parsing (`_prepare_*`) and its output format (a
-request_path.Reply); request_path.handle runs the request between the two.
+request_path.Reply); request_path.handle runs the request between the two. Chat messages
+and tools are read in openai_input.py; what both replies share is in openai_reply.py.
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import List, Optional, Tuple
 
@@ -15,19 +15,13 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from ..mlxlm.token_text import token_bytes
-from .chat import (
-    RENDERING_ARGUMENTS,
-    build_prompt,
-    effort_thinking,
-    encode_prompt,
-    openai_messages,
-    openai_tools,
-    strict_tools,
-)
+from .answer_hold import hold_to_format
+from .chat import RENDERING_ARGUMENTS, build_prompt, effort_thinking, encode_prompt
 from .errors import APIError
 from .generation import Generation
-from .request_path import Reply, check_model, handle, new_generation, sse_data
-from .structured_output import hold_to_format
+from .openai_input import openai_messages, openai_tools, strict_tools
+from .openai_reply import OpenAIReply, finish_reason, usage
+from .request_path import check_model, handle, new_generation, sse_data
 from .validation import (
     field,
     openai_tool_choice,
@@ -75,52 +69,6 @@ def _check_n(body: dict) -> None:
         raise APIError(400, "only n=1 is supported", param="n")
 
 
-def _usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.stats.cached_prompt_tokens if gen.stats else 0},
-            "mtp": gen.mtp_usage()}
-
-
-def _finish_reason(gen: Generation) -> str:
-    if gen.finish_reason == "stop" and gen.tool_calls():
-        return "tool_calls"
-    return gen.finish_reason if gen.finish_reason in ("stop", "length") else "stop"
-
-
-class _OpenAIReply(Reply):
-    """Ids, the final chunks (finish reason, usage, or a generation error) and [DONE]."""
-
-    id_prefix = ""
-    chunk_object = ""
-
-    def __init__(self, state, model: str, stream: bool, include_usage: bool):
-        self.tok = state.tok
-        self.id = self.id_prefix + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.model = model
-        self.stream = stream
-        self.include_usage = include_usage
-
-    def envelope(self, obj: str, choices: List[dict], **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
-
-    def final_chunk(self, gen: Generation) -> str:
-        raise NotImplementedError
-
-    def finish(self, gen: Generation) -> List[str]:
-        if gen.error:
-            return [sse_data({"error": {"message": gen.error, "type": "server_error", "param": None, "code": None}})]
-        out = [self.final_chunk(gen)]
-        if self.include_usage:
-            out.append(sse_data(self.envelope(self.chunk_object, [], usage=_usage(gen))))
-        return out
-
-    def closing(self) -> List[str]:
-        return [sse_data("[DONE]")]
-
-
 # ------------------------------------------------------------------ chat completions
 def _chat_logprobs(tok, lps: List[dict]) -> dict:
     def entry(token: int, logprob: float) -> dict:
@@ -135,7 +83,7 @@ def _tool_call_obj(call: dict) -> dict:
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
 
 
-class ChatReply(_OpenAIReply):
+class ChatReply(OpenAIReply):
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
 
@@ -180,7 +128,7 @@ class ChatReply(_OpenAIReply):
                 {"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}]
 
     def final_chunk(self, gen: Generation) -> str:
-        return self.chunk({}, finish=_finish_reason(gen))
+        return self.chunk({}, finish=finish_reason(gen))
 
     def response(self, gen: Generation) -> dict:
         calls = [_tool_call_obj(c) for c in gen.tool_calls()]
@@ -189,9 +137,9 @@ class ChatReply(_OpenAIReply):
             message["reasoning_content"] = gen.reasoning()
         if calls:
             message["tool_calls"] = calls
-        choice = {"index": 0, "message": message, "finish_reason": _finish_reason(gen),
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(gen),
                   "logprobs": _chat_logprobs(self.tok, gen.logprobs) if self.want_lp else None}
-        return self.envelope("chat.completion", [choice], usage=_usage(gen))
+        return self.envelope("chat.completion", [choice], usage=usage(gen))
 
 
 def _template_options(tok, body: dict) -> Tuple[Optional[bool], dict]:
@@ -270,7 +218,7 @@ def _completion_logprobs(tok, lps: List[dict], offset: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-class CompletionReply(_OpenAIReply):
+class CompletionReply(OpenAIReply):
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
 
@@ -292,12 +240,12 @@ class CompletionReply(_OpenAIReply):
         return [self.chunk(text, logprobs=lp)] if (text or lp) else []
 
     def final_chunk(self, gen: Generation) -> str:
-        return self.chunk("", finish=_finish_reason(gen))
+        return self.chunk("", finish=finish_reason(gen))
 
     def response(self, gen: Generation) -> dict:
-        choice = {"index": 0, "text": gen.content(), "finish_reason": _finish_reason(gen),
+        choice = {"index": 0, "text": gen.content(), "finish_reason": finish_reason(gen),
                   "logprobs": _completion_logprobs(self.tok, gen.logprobs) if self.lp_n is not None else None}
-        return self.envelope("text_completion", [choice], usage=_usage(gen))
+        return self.envelope("text_completion", [choice], usage=usage(gen))
 
 
 def _prepare_completion(state, raw: bytes) -> Tuple[Generation, CompletionReply]:

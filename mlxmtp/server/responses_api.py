@@ -34,13 +34,13 @@ from typing import Dict, List, Optional, Tuple
 
 from starlette.requests import Request as HTTPRequest
 
+from .answer_hold import hold_to_format
 from .chat import build_prompt
 from .generation import Generation
 from .reasoning import Piece
 from .request_path import Reply, check_model, handle, new_generation, sse_event
 from .responses_input import check_accepted, input_messages, thinking_flag
 from .responses_tools import Tools, parse_tools, tool_choice
-from .structured_output import hold_to_format
 from .validation import field, parse_json_body, sampling_params
 
 WARNING_HEADER = "x-mlxmtp-warning"

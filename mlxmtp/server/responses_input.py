@@ -11,34 +11,18 @@ hosted search) are taken as history. Its `tools`: responses_tools.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 from .chat import effort_thinking, left_out, tool_arguments
-from .errors import APIError
+from .responses_fields import bad, string_field
+from .responses_tools import Tools
 from .validation import field, top_logprobs
-
-if TYPE_CHECKING:  # the type only: responses_tools imports this module
-    from .responses_tools import Tools
 
 _SUMMARIES = ("auto", "concise", "detailed", "none")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 _STATELESS = ("this server keeps no conversation state (nothing is stored): send the whole conversation "
               "in 'input' instead of '{}'")
-
-
-def bad(message: str, param: str) -> APIError:
-    """A 400 that names the field at fault (what the Responses API's clients show)."""
-    return APIError(400, message, param=param)
-
-
-def _string(obj: dict, key: str, where: str, *, required: bool = True) -> Optional[str]:
-    value = obj.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or (required and not value):
-        raise bad(f"'{where}.{key}' must be a non-empty string", f"{where}.{key}")
-    return value
 
 
 # ------------------------------------------------------------------ input -> chat messages
@@ -127,10 +111,10 @@ class _Turns:
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             self._function_call_output(item, where)
         elif kind == "custom_tool_call":  # a freeform tool's call (Codex's apply_patch): its text input
-            self._call(_string(item, "call_id", where), _string(item, "name", where),
-                       {"input": _string(item, "input", where)})
+            self._call(string_field(item, "call_id", where), string_field(item, "name", where),
+                       {"input": string_field(item, "input", where)})
         elif kind == "local_shell_call":
-            self._call(_string(item, "call_id", where), "local_shell", item.get("action") or {})
+            self._call(string_field(item, "call_id", where), "local_shell", item.get("action") or {})
         elif kind == "web_search_call":
             pass  # a hosted search another server ran: its results are not in the input
         elif kind == "reasoning":
@@ -166,12 +150,12 @@ class _Turns:
 
     def _function_call(self, item: dict, where: str) -> None:
         """A call joins the assistant turn before it, or opens one (also when reasoning waits)."""
-        call_id = _string(item, "call_id", where)
-        name = _string(item, "name", where)
+        call_id = string_field(item, "call_id", where)
+        name = string_field(item, "name", where)
         args = item.get("arguments")
         if not isinstance(args, str):
             raise bad(f"'{where}.arguments' must be a JSON string", f"{where}.arguments")
-        namespace = _string(item, "namespace", where, required=False)
+        namespace = string_field(item, "namespace", where, required=False)
         self._call(call_id, self.tools.shown_name(namespace, name), tool_arguments(args))
 
     def _call(self, call_id: str, name: str, arguments) -> None:
@@ -183,7 +167,7 @@ class _Turns:
 
     def _function_call_output(self, item: dict, where: str) -> None:
         # A local shell call's output names its call by `id`, the others by `call_id`.
-        call_id = _string(item, "call_id" if "call_id" in item or "id" not in item else "id", where)
+        call_id = string_field(item, "call_id" if "call_id" in item or "id" not in item else "id", where)
         if "output" not in item:
             raise bad(f"'{where}.output' is a required field", f"{where}.output")
         output = _text(item["output"], f"{where}.output", tool_output=True)

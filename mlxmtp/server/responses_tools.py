@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 from .chat import check_schema
-from .responses_input import _string, bad
+from .responses_fields import bad, string_field
 
 # The Responses API's tool types that do not run here: the openai SDK's `Tool` union,
 # less function and namespace.
@@ -61,7 +61,7 @@ def _joined(namespace: Optional[str], name: str) -> str:
 def _function(t: dict, where: str, namespace: Optional[str], ns_description: Optional[str]) -> tuple:
     """-> (namespace, name, description, parameters, where the parameters are if the
     function is `strict: true`, else None)."""
-    name = _string(t, "name", where)
+    name = string_field(t, "name", where)
     if not isinstance(t.get("strict", False), (bool, type(None))):
         raise bad(f"'{where}.strict' must be a boolean", f"{where}.strict")
     params = t.get("parameters")
@@ -113,7 +113,7 @@ def _check_known(kind: str, where: str, known: frozenset) -> None:
 
 
 def _namespace_entries(t: dict, where: str, warnings: List[str]) -> List[tuple]:
-    namespace = _string(t, "name", where)
+    namespace = string_field(t, "name", where)
     children = t.get("tools")
     if not isinstance(children, list):
         raise bad(f"'{where}.tools' must be an array of function tools", f"{where}.tools")
@@ -170,7 +170,7 @@ def tool_choice(body: dict, tools: Tools, warnings: List[str]) -> str:
     if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
         raise bad("'tool_choice' must be a string or an object with a 'type'", "tool_choice")
     if choice["type"] == "function":
-        name = _string(choice, "name", "tool_choice")
+        name = string_field(choice, "name", "tool_choice")
         namespace = choice.get("namespace") if isinstance(choice.get("namespace"), str) else None
         key = (namespace, name) if namespace else tools.resolve(name)
         if key not in tools.shown:

@@ -2,8 +2,8 @@
 Responses API's `text.format`, Anthropic's `output_config.format`).
 
 llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the schema and
-tells, token by token, which tokens keep the output valid. Here it becomes a logits
-processor of mlx-lm's signature: the tokens the grammar refuses get -inf before sampling.
+tells, token by token, which tokens keep the output valid. It becomes a logits processor
+of mlx-lm's signature (grammar_mask.py): the tokens the grammar refuses get -inf before sampling.
 The engine applies a request's processors to every distribution it samples from or
 verifies against (each MTP draft and each verified position, with its own context), so
 MTP decodes exactly what the model decodes under the same constraint, greedy or sampled,
@@ -16,20 +16,21 @@ token after `</think>`.
 Tool calls (tool_grammar.py) are held the same way: a forced call from the token after the
 opening the prompt ends with; a call the model opens itself (`serve --constrain-tool-calls`,
 or OpenAI's `strict: true` on a function) from the token after its own `<tool_call>` to its
-`</tool_call>`, text around calls left free (call_hold.py).
+`</tool_call>`, text around calls left free (call_hold.py). Which of these a request gets:
+answer_hold.py.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-import mlx.core as mx
 import numpy as np
 
 from . import schema_limits, tool_grammar
 from .errors import APIError
+from .grammar_mask import GrammarProcessor, allowed_tokens
 
 # The model served in this process (one per process): its tokenizer and vocabulary, for
 # the matchers of every rank of a distributed server (see `serve_tokenizer`).
@@ -176,56 +177,28 @@ def _pattern_error(regex: str) -> str:
     grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": regex})
     matcher = _matcher(grammar, limits=llguidance.LLParserLimits(initial_lexer_fuel=200_000))
     quote = _MODEL["tok"].encode('"', add_special_tokens=False)
-    _allowed(matcher, _MODEL["vocab_size"])  # where the lexer starts its work
+    allowed_tokens(matcher, _MODEL["vocab_size"])  # where the lexer starts its work
     matcher.try_consume_tokens(quote)
-    _allowed(matcher, _MODEL["vocab_size"])
+    allowed_tokens(matcher, _MODEL["vocab_size"])
     return f"pattern {regex[:80]!r}: {matcher.get_error().splitlines()[0]}" if matcher.is_error() else ""
-
-
-def _allowed(matcher, n: int) -> np.ndarray:
-    """[n] bools: which of the first n token ids the matcher's grammar takes next."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    return bits[:n].astype(np.bool_)
 
 
 def _anything_allowed(matcher) -> bool:
     """Whether the grammar lets the answer start: some token other than the end of text."""
-    allowed = np.flatnonzero(_allowed(matcher, _MODEL["vocab_size"])).tolist()
+    allowed = np.flatnonzero(allowed_tokens(matcher, _MODEL["vocab_size"])).tolist()
     return bool(set(allowed) - set(_MODEL["tok"].eos_token_ids))
 
 
-def hold_to_format(req, tok, fmt, where: str, prompt, tools: Optional[List[dict]] = None,
-                   strict: Optional[Dict[str, str]] = None, constrain: bool = False) -> None:
-    """Hold the engine request's answer to the format field `fmt` (named `where`), if it
-    asks for one, and a forced tool call to the call's grammar. `prompt` (chat.Prompt): a
-    turn that starts inside <think> is held from `</think>` on; a turn the server forces to
-    call a tool cannot also be held to a format.
-
-    `tools`: the function tools the model may call (chat completions' shape); `strict`: the
-    names of those marked `strict: true` -> where their parameters are in the request (a
-    schema llguidance cannot hold is a 400 naming it); `constrain`: hold every call the
-    model opens (serve --constrain-tool-calls). With either, a call the model opens in an
-    unforced turn is held to its grammar (call_hold.hold_calls)."""
-    from . import call_hold  # it builds on this module (matchers, processors): imported on use
-
-    call_hold.check_strict(tools or [], strict or {})
-    schema = requested_schema(fmt, where)
-    if prompt.opening and schema is not None:
-        raise APIError(400, f"'{where}': a turn forced to call a tool (tool_choice) cannot also be held to "
-                            "a format", param=where)
-    if prompt.opening:
-        _hold_call(req, tok, prompt)
-    elif schema is None and tools and (constrain or strict):
-        # (An answer held to a format never opens a call: its grammar has no <tool_call>.)
-        call_hold.hold_calls(req, tok, prompt, tools, strict or {}, constrain)
-    if schema is None:
-        return
-    opens_after = tok.encode("</think>", add_special_tokens=False) if prompt.in_think else None
+def hold_to_schema(req, tok, schema: dict, where: str, in_think: bool) -> None:
+    """Hold the engine request's answer to a JSON schema (from `requested_schema`; a 400
+    naming `where` where it cannot be enforced), from `</think>` on when the turn starts
+    inside <think>."""
+    opens_after = tok.encode("</think>", add_special_tokens=False) if in_think else None
     grammar, matcher = compile_schema(schema, where)
     req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), opens_after))
 
 
-def _hold_call(req, tok, prompt) -> None:
+def hold_forced_call(req, tok, prompt) -> None:
     """Hold a forced tool call to its grammar (tool_grammar.py) from the token after the
     call's opening, which ends the prompt. A 400 naming `tools` where a tool's schema cannot
     be enforced at all (past the bounds, not compiled, a pattern the lexer gives up on)."""
@@ -243,75 +216,15 @@ def _hold_call(req, tok, prompt) -> None:
 
 
 def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[int]] = None,
-                      keep: Tuple[str, ...] = ()) -> "GrammarProcessor":
+                      keep: Tuple[str, ...] = ()) -> GrammarProcessor:
     """The processor of a grammar compiled here (how another rank rebuilds it); `keep`:
     see _ll_tokenizer."""
     return _processor(grammar, _matcher(grammar, keep), prompt_len, opens_after, keep)
 
 
 def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]],
-               keep: Tuple[str, ...] = ()) -> "GrammarProcessor":
+               keep: Tuple[str, ...] = ()) -> GrammarProcessor:
     proc = GrammarProcessor(matcher, prompt_len, opens_after)
     # How another rank of a distributed server rebuilds it (distributed/wire.py).
     proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after, list(keep)])
     return proc
-
-
-class GrammarError(RuntimeError):
-    """The grammar engine stopped holding an answer part way (a limit of its own reached):
-    the request fails rather than going on with free text."""
-
-
-class GrammarProcessor:
-    """(context [prompt + generated], logits [1, V]) -> logits with the tokens the grammar
-    refuses next at -inf. The engine calls it for any prefix (a verify checks k+1 positions;
-    drafts it rejected are replaced): the matcher is brought to each context by rolling back
-    what differs from the tokens it consumed and consuming the rest. A context the grammar
-    refuses (a draft after a refused one, rejected anyway) gets its logits unchanged."""
-
-    def __init__(self, matcher, prompt_len: int, opens_after: Optional[List[int]] = None):
-        self.matcher = matcher
-        self.prompt_len = prompt_len
-        self.opens_after = opens_after  # the grammar holds after these tokens (`</think>`), or at once
-        self.consumed: List[int] = []
-
-    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
-        held = self._held(context[self.prompt_len :].tolist())  # not the prompt: it may be 100K tokens
-        if held is None:
-            return logits
-        return self._mask(held, logits)
-
-    def _mask(self, held: List[int], logits: mx.array) -> mx.array:
-        """`logits` with what the grammar refuses after the tokens `held` at -inf."""
-        reached = self._reach(held)
-        allowed = _allowed(self.matcher, logits.shape[-1]) if reached else None
-        if self.matcher.is_error():
-            raise GrammarError("the answer's format could no longer be enforced: "
-                               + self.matcher.get_error().splitlines()[0])
-        if not reached:
-            return logits
-        allowed = mx.array(allowed)
-        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
-
-    def _held(self, generated: List[int]) -> Optional[List[int]]:
-        """The generated tokens the grammar covers; None while it does not hold yet."""
-        if self.opens_after is None:
-            return generated
-        n = len(self.opens_after)
-        for i in range(len(generated) - n + 1):
-            if generated[i : i + n] == self.opens_after:
-                return generated[i + n :]
-        return None
-
-    def _reach(self, tokens: List[int]) -> bool:
-        """Bring the matcher to `tokens`; False when the grammar refuses one of them."""
-        same = 0
-        while same < min(len(tokens), len(self.consumed)) and tokens[same] == self.consumed[same]:
-            same += 1
-        if same < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - same)
-            del self.consumed[same:]
-        rest = tokens[same:]
-        taken = self.matcher.try_consume_tokens(rest) if rest else 0
-        self.consumed += rest[:taken]
-        return taken == len(rest)

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from ..mlxlm.family import FAMILIES
 from .fixture_configs import num_mtp_layers, text_config
 from .fixture_tokenizer import ADDED_TOKENS, SPECIAL_TOKENS, tokenizer_size
 
@@ -124,14 +125,14 @@ def make_weights(
     """All HF tensors (float32 numpy) of a tiny checkpoint, in HF names."""
     s = text_config(config)
     init = _Init(seed)
-    is_moe = family in ("qwen3_next", "qwen3_5_moe")
+    is_moe = FAMILIES[family].expert_layout is not None
     if not is_moe and expert_layout is not None:
         raise ValueError("expert_layout needs an MoE family")
     # Main-model experts: per-expert tensors in Qwen3-Next, fused in Qwen3.5
     # MoE. The MTP experts are per-expert unless asked otherwise (Qwen3.6).
-    main_layout = ("per_expert" if family == "qwen3_next" else "fused") if is_moe else None
+    main_layout = FAMILIES[family].expert_layout
     mtp_layout = (expert_layout or "per_expert") if is_moe else None
-    m = "model" if family == "qwen3_next" else "model.language_model"
+    m = FAMILIES[family].text_prefix
     w = _backbone_weights(init, m, s, family, main_layout)
     if family != "qwen3_next":
         # A couple of vision-tower tensors; mlx-lm drops everything model.visual.*.

@@ -1,4 +1,4 @@
-"""`mlxmtp bench`: the user-facing decode benchmark, in the spirit of `mlx_lm.benchmark`.
+"""The user-facing decode benchmark (`mlxmtp bench`), in the spirit of `mlx_lm.benchmark`.
 
 For each prompt length, one request at a time on the engine the server runs
 (`engine.generate.stream_generate`): MTP off, adaptive depth, each fixed depth, and
@@ -20,31 +20,18 @@ or noisy. bench/decode.py is the finer measurement.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from typing import Dict, List, Optional
 
-import click
-
-from .engine.limits import MAX_DRAFT_DEPTH
-from .models.demo_prompts import HELD_OUT_PROMPTS
+from ..models.demo_prompts import HELD_OUT_PROMPTS
+from .config import EngineConfig
 
 # A ratio whose largest value over the rounds exceeds its smallest by more than this is not
 # to be trusted: on a quiet machine the rounds of the demo model agree within a few percent.
 SPREAD_LIMIT = 1.15
 NOISY = "the machine is busy or noisy; rerun with more --rounds (or on a quieter machine)"
-
-
-def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from e
-    if any(v < low or (high is not None and v > high) for v in values):
-        raise click.BadParameter(f"values must lie in [{low}, {high if high is not None else 'inf'}]", param_hint=name)
-    return values
 
 
 def prompt_ids(tok, n: int) -> List[int]:
@@ -72,8 +59,8 @@ def _timed(events) -> dict:
 
 
 def run_mlx_lm(model, tok, ids: List[int], gen: int, temp: float) -> dict:
-    # On use: `mlxmtp` start-up imports every subcommand module, and mlx_lm takes seconds.
-    from .mlxlm.sampling import reference_tokens
+    # On use: `mlxmtp` start-up imports this module (commands/bench.py), and mlx_lm takes seconds.
+    from ..mlxlm.sampling import reference_tokens
 
     return _timed(1 for _ in reference_tokens(model, tok, ids, gen, temp))
 
@@ -81,13 +68,14 @@ def run_mlx_lm(model, tok, ids: List[int], gen: int, temp: float) -> dict:
 def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict:
     """depth: 0 (MTP off), "adaptive" or a fixed draft depth."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from .engine.batch import BatchGenerator
-    from .engine.generate import stream_generate
-    from .engine.sampling import SamplingParams
+    from .batch import BatchGenerator
+    from .generate import stream_generate
+    from .sampling import SamplingParams
 
     stats: dict = {}
     # Built before the clock starts: a server builds its engine once.
-    engine = BatchGenerator(model, tok, enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth)
+    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=depth != 0,
+                                                     num_draft=None if depth in (0, "adaptive") else depth))
 
     def counts():
         for ev in stream_generate(model, tok, ids, max_tokens=gen, params=SamplingParams(temperature=temp, seed=0),
@@ -102,7 +90,7 @@ def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict
     return out
 
 
-def _one(model, tok, ids, gen, temp, setting) -> dict:
+def one(model, tok, ids, gen, temp, setting) -> dict:
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     import mlx.core as mx
 
@@ -123,7 +111,7 @@ def _spread(values: List[float]) -> Optional[float]:
     return max(values) / min(values) if min(values) > 0 else None
 
 
-def _summary(label: str, runs: List[dict], ref_runs: Optional[List[dict]]) -> dict:
+def summary(label: str, runs: List[dict], ref_runs: Optional[List[dict]]) -> dict:
     """Medians over rounds (acceptance: the mean by position, depths: summed); the ratio to
     mlx-lm taken within each round (`ref_runs`: mlx-lm's runs, round by round), its median
     and range, and the spread (max / min) of that ratio, or of the tokens/s (mlx-lm's own
@@ -150,7 +138,7 @@ def _summary(label: str, runs: List[dict], ref_runs: Optional[List[dict]]) -> di
     return out
 
 
-def _table(result: dict) -> str:
+def table(result: dict) -> str:
     cols = ["setting", "TTFT s", "prompt tok/s", "gen tok/s", "vs mlx-lm (range)", "acceptance by position",
             "tok/fwd", "peak MiB"]
     rows = []
@@ -169,93 +157,30 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
-@click.command()
-@click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model, mlxmtp-demo).")
-@click.option("--prompt-tokens", "-p", default="128,1024", show_default=True,
-              help="Prompt lengths, comma-separated.")
-@click.option("--generation-tokens", "-g", default=128, show_default=True, type=click.IntRange(min=2),
-              help="Tokens generated by every run.")
-@click.option("--depths", default="1,2,3", show_default=True,
-              help=f"Fixed draft depths to run besides MTP off and adaptive (1-{MAX_DRAFT_DEPTH}; '' for none).")
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--rounds", "--num-trials", "-n", "rounds", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Interleaved rounds: every setting once per round, ratios to mlx-lm taken within a round; "
-                   "medians and ranges over the rounds. A range wider than "
-                   f"{SPREAD_LIMIT:.2f}x (max / min) is reported as untrustworthy.")
-@click.option("--no-mlx-lm", is_flag=True, help="Leave out mlx-lm's stream_generate.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (the progress lines and bar go to stderr).")
-def bench(model, prompt_tokens, generation_tokens, depths, temp, rounds, no_mlx_lm, as_json):
-    """Decode speed: MTP off vs adaptive vs fixed depths vs mlx-lm, per prompt length, over
-    interleaved rounds (a line per run on stderr as it ends)."""
-    # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from tqdm import tqdm
-
-    from .models.load import ModelLoadError, load  # (as above)
-
-    lengths = _int_list(prompt_tokens, "--prompt-tokens", 1)
-    if not lengths:
-        raise click.BadParameter("give at least one prompt length", param_hint="--prompt-tokens")
-    fixed = _int_list(depths, "--depths", 1, MAX_DRAFT_DEPTH)
-    try:
-        m, tok = load(model, mtp=True, mtp_fallback=True)
-    except ModelLoadError as e:
-        raise click.ClickException(str(e)) from e
-    tok._eos_token_ids = set()  # every run generates exactly -g tokens (mlx_lm.benchmark does the same)
-    settings = [("mlx-lm", None)] * (not no_mlx_lm) + [("MTP off", 0)]
-    if m.active:
-        settings += [("adaptive", "adaptive")] + [(f"k={k}", k) for k in fixed]
-    runs = len(lengths) * len(settings) * (rounds + 1)
-    report = {"model": model or "mlxmtp-demo", "mtp_active": bool(m.active),
-              "mtp_disabled_reason": m.disabled_reason, "generation_tokens": generation_tokens,
-              "temperature": temp, "num_trials": rounds, "rounds": rounds, "spread_limit": SPREAD_LIMIT,
-              "results": [], "warnings": []}
-    with tqdm(total=runs, desc="mlxmtp bench", file=sys.stderr, disable=None) as bar:
-        for n in lengths:
-            summaries = _rounds_at(m, tok, n, settings, generation_tokens, temp, rounds, no_mlx_lm, bar)
-            report["results"].append({"prompt_tokens": n, "settings": summaries})
-            report["warnings"] += _noisy(n, summaries, rounds, no_mlx_lm)
-    for line in report["warnings"]:
-        click.echo(f"warning: {line}", err=True)
-    if report["warnings"]:
-        click.echo(f"warning: {NOISY}", err=True)
-    if as_json:
-        click.echo(json.dumps(report))
-        return
-    head = f"model: {report['model']}   MTP head: " + ("active" if m.active else f"inactive ({m.disabled_reason})")
-    click.echo(f"{head}   generation: {generation_tokens} tokens   temp: {temp}   rounds: {rounds} "
-               "(medians; ranges min-max over the rounds)")
-    for result in report["results"]:
-        click.echo(f"\nprompt: {result['prompt_tokens']} tokens")
-        click.echo(_table(result))
-    if report["warnings"]:
-        click.echo(f"\nRanges wider than {SPREAD_LIMIT:.2f}x (max / min) over the rounds: {NOISY}.")
-
-
-def _rounds_at(m, tok, n: int, settings: list, generation_tokens: int, temp: float, rounds: int,
+def rounds_at(m, tok, n: int, settings: list, generation_tokens: int, temp: float, rounds: int,
                no_mlx_lm: bool, bar) -> List[dict]:
     """Each setting's summary at prompt length `n`: a warm-up run each (compiles, and the
     adaptive policy's calibration), then `rounds` interleaved rounds, a stderr line per run."""
-    from tqdm import tqdm  # on use, as in bench
+    from tqdm import tqdm  # on use, as commands/bench.py does
 
     ids = prompt_ids(tok, n)
     results: Dict[str, List[dict]] = {label: [] for label, _ in settings}
     for _, setting in settings:
-        _one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting)
+        one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting)
         bar.update()
     for r in range(rounds):
         for label, setting in (settings if r % 2 == 0 else settings[::-1]):
             bar.set_postfix_str(f"prompt {n}, {label}")
-            res = _one(m, tok, ids, generation_tokens, temp, setting)
+            res = one(m, tok, ids, generation_tokens, temp, setting)
             results[label].append(res)
             bar.update()
             tqdm.write(f"prompt {n}  round {r + 1}/{rounds}  {label:<8}  {res['generation_tps']:8.1f} tok/s  "
                        f"TTFT {res['ttft_s']:.3f} s", file=sys.stderr)
     ref_runs = None if no_mlx_lm else results["mlx-lm"]
-    return [_summary(label, results[label], ref_runs) for label, _ in settings]
+    return [summary(label, results[label], ref_runs) for label, _ in settings]
 
 
-def _noisy(n: int, summaries: List[dict], rounds: int, no_mlx_lm: bool) -> List[str]:
+def noisy(n: int, summaries: List[dict], rounds: int, no_mlx_lm: bool) -> List[str]:
     """A line for each setting whose ratio to mlx-lm (its tokens/s without mlx-lm) spread
     wider than SPREAD_LIMIT over the rounds."""
     lines = []

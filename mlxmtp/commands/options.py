@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from .limits import MAX_DRAFT_DEPTH
+from ..engine.limits import MAX_DRAFT_DEPTH
 
 _DRAFTING = [
     click.option("--num-draft", "--num-draft-tokens", "num_draft", default=None,

@@ -18,8 +18,8 @@ def inspect(model, as_json, ranks=1):
     model folder or Hugging Face repo id (default: the demo model, mlxmtp-demo)."""
     # On use: `mlxmtp` start-up imports every subcommand module
     from ..checkpoint.split_plan import make_plan
-    from . import demo
-    from .load import inspect_model
+    from ..models import demo
+    from ..models.inspection import inspect_model
 
     try:
         info = inspect_model(model or demo.NAME)

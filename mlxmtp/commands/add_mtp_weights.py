@@ -31,9 +31,9 @@ def add_mtp_weights(model_dir, source, bits, group_size, mode, revision, dry_run
     killed earlier run left half-swapped is put back first.
     """
     # On use: `mlxmtp` start-up imports every subcommand module, and this one pulls in mlx_lm.
+    from ..convert.add_mtp_weights import AddMTPError
+    from ..convert.add_mtp_weights import add_mtp_weights as run
     from ..models import demo
-    from .add_mtp_weights import AddMTPError
-    from .add_mtp_weights import add_mtp_weights as run
 
     if demo.names_demo(model_dir):  # the packaged demo: by its name, or its folder
         if force:

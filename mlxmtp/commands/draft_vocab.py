@@ -16,7 +16,9 @@ def _tokenizer_and_config(model: str):
     repo id downloads the tokenizer and configs only."""
     # On use: `mlxmtp` start-up imports every subcommand module.
     from ..models import demo
-    from ..models.load import ModelLoadError, check_model_folder, hub_snapshot
+    from ..models.errors import ModelLoadError
+    from ..models.hub import hub_snapshot
+    from ..models.model_folder import check_model_folder
 
     path = Path(demo.resolve(model)).expanduser()  # the demo: by default, or by its name
     try:

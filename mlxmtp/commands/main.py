@@ -1,4 +1,4 @@
-"""`mlxmtp` command line: one click group, each subcommand in the package that owns it."""
+"""`mlxmtp` command line: one click group, each subcommand in a module of its own here."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from . import __version__
+from .. import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,12 +18,12 @@ def main():
 
 def _register():
     # On use: each subcommand's module is imported only when the CLI runs.
-    from .bench_cli import bench
-    from .convert.cli import add_mtp_weights
-    from .convert.draft_vocab_cli import draft_vocab
-    from .engine.cli import generate
-    from .models.cli import inspect
-    from .server.cli import serve
+    from .add_mtp_weights import add_mtp_weights
+    from .bench import bench
+    from .draft_vocab import draft_vocab
+    from .generate import generate
+    from .inspect import inspect
+    from .serve import serve
 
     for cmd in (serve, generate, bench, inspect, add_mtp_weights, draft_vocab):
         main.add_command(cmd)

@@ -8,7 +8,8 @@ import time
 
 import click
 
-from .cli_options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
+from ..engine.config import EngineConfig
+from .options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
 
 # The options that set SamplingParams' fields (its errors name the field first).
 SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
@@ -42,16 +43,16 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     """Generate a completion for the --prompt text (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
-    from .sampling import SamplingParams
+    from ..engine.sampling import SamplingParams
 
     if prompt == "-":
         prompt = sys.stdin.read()
     if not enable_mtp and num_draft is not None:
         click.echo("warning: --num-draft has no effect with --disable-mtp", err=True)
     group = launched_group()
-    engine_options = dict(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
+    config = EngineConfig(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
                           compile_steps=compile_steps)
-    m, tok, plan = _load(model, group, engine_options, mtp=enable_mtp, mtp_fallback=mtp_fallback,
+    m, tok, plan = _load(model, group, config, mtp=enable_mtp, mtp_fallback=mtp_fallback,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path,
                          trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)
     ids, max_tokens = _prompt_ids(m, tok, prompt, not no_chat_template, max_tokens)
@@ -62,9 +63,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise click.BadParameter(str(e), param_hint=SAMPLING_OPTIONS.get(field)) from e
-    engine_options["enable_mtp"] = enable_mtp and m.active
     t0 = time.perf_counter()
-    res = _run(m, tok, ids, group, plan, dist_timeout, engine_options, max_tokens=max_tokens, params=params)
+    res = _run(m, tok, ids, group, plan, dist_timeout, config, max_tokens=max_tokens, params=params)
     if res is None:
         return  # a rank other than 0: rank 0 reports
     stats = res.stats.as_dict()
@@ -116,18 +116,20 @@ def _report(res, stats: dict, m, profile: bool, as_json: bool) -> None:
         click.echo("MTP: off" + (f" ({m.disabled_reason})" if m.disabled_reason else ""))
 
 
-def _load(model, group, engine_options: dict, **load_options):
-    """(model, tokenizer, plan): the whole model, or this rank's share under mlx.launch."""
+def _load(model, group, config: EngineConfig, **load_options):
+    """(model, tokenizer, plan): the whole model, or this rank's share under mlx.launch
+    (every rank checked to have rank 0's engine `config` and `load_options`)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import SetupMismatchError
-    from ..models.load import MissingMTPHeadError, ModelLoadError, load
+    from ..models.errors import MissingMTPHeadError, ModelLoadError
+    from ..models.load import load
 
     try:
         if group is None:
             return (*load(model, **load_options), None)
         from ..distributed.load import load_on_rank  # on use, as above
 
-        return load_on_rank(group, model, {**engine_options, **load_options}, **load_options)
+        return load_on_rank(group, model, config, **load_options)
     except MissingMTPHeadError as e:  # generate uses the head by default: say how not to
         raise click.ClickException(f"{e} Or generate without MTP: add --disable-mtp, or --mtp-fallback to use "
                                    "the head only where a model has one.") from e
@@ -135,14 +137,14 @@ def _load(model, group, engine_options: dict, **load_options):
         raise click.ClickException(str(e)) from e
 
 
-def _run(m, tok, ids, group, plan, dist_timeout: float, engine_options: dict, **generate_options):
-    """The result: alone, or rank 0 of a distributed run; None on the other ranks."""
+def _run(m, tok, ids, group, plan, dist_timeout: float, config: EngineConfig, **generate_options):
+    """The result: alone, or rank 0 of a distributed run; None on the other ranks (every
+    rank's engine built from `config`)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from .generate import generate as run
+    from ..engine.generate import generate as run
 
     if group is None:
-        return run(m, tok, ids, **engine_options, **generate_options)
+        return run(m, tok, ids, config=config, **generate_options)
     from ..distributed.run import generate_on_ranks  # on use, as above
 
-    return generate_on_ranks(group, plan, m, tok, ids, dist_timeout=dist_timeout, engine_options=engine_options,
-                             **generate_options)
+    return generate_on_ranks(group, plan, m, tok, ids, dist_timeout=dist_timeout, config=config, **generate_options)

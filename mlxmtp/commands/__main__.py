@@ -1,0 +1,5 @@
+"""`python -m mlxmtp.commands ...`: the `mlxmtp` command."""
+
+from .main import main
+
+main()
