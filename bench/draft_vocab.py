@@ -1,6 +1,6 @@
 """Draft step cost with the full vs a trimmed (FastMTP) draft vocabulary, Qwen3.5-4B-shaped.
 
-One MTP draft step as the engine runs it (engine/proposer.draft): embed the previous
+One MTP draft step as the engine runs it (engine/proposers/mtp_head.draft): embed the previous
 draft, the head (fc, one full-attention decoder layer with a KV cache of `--context`
 rows, norm), the drafter's lm_head (models.draft_vocab.DraftVocab: the whole table, or
 the listed rows scattered back to full width with -inf), argmax. lm_head alone is timed
@@ -89,7 +89,7 @@ def build(table: mx.array, bits: int, context: int, trim: int):
 
 
 def draft_step(head, vocab, cache, tok, g):
-    """One chained draft, as proposer.draft runs step > 0; the cache row is dropped after."""
+    """One chained draft, as proposers/mtp_head.draft runs step > 0; the cache row is dropped after."""
     g = head(vocab.embed_tokens(tok[:, None]), g, cache)
     tok = mx.argmax(vocab.lm_head(g)[:, 0, :], axis=-1)
     mx.eval(tok, g)

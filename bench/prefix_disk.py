@@ -25,7 +25,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from mlxmtp.engine import prefix_disk
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.prefix_cache import PrefixEntry
@@ -71,9 +70,8 @@ def drop_from_page_cache(folder: Path) -> None:
 
 
 def engine(model, tok, folder: Path) -> BatchGenerator:
-    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=4 << 30))
-    prefix_disk.attach(eng, folder, 16 << 30)
-    return eng
+    return BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=4 << 30, prefix_cache_dir=str(folder),
+                                                   prefix_cache_disk_mb=16 << 10))
 
 
 def one_round(model, tok, n: int, rotate: int) -> dict:

@@ -10,6 +10,7 @@ its share of MODEL and runs the distributed engine; rank 0 prints one JSON objec
 import argparse
 import json
 
+from mlxmtp.distributed.coordinator import RankCoordinator
 from mlxmtp.distributed.engine import DistributedEngine
 from mlxmtp.distributed.group import launched_group
 from mlxmtp.distributed.load import load_on_rank
@@ -72,14 +73,13 @@ def main():
     group = launched_group()
     model, tok, plan = load_on_rank(group, a.model, EngineConfig())
     if a.job == "disagree" and group.rank() == 1:
-        read = DistributedEngine._read
+        after_cycle = RankCoordinator.after_cycle
 
-        def skewed(self, rec):
-            out = read(self, rec)
+        def skewed(self, kept, tokens):
+            after_cycle(self, kept, tokens)
             self.digest ^= 1
-            return out
 
-        DistributedEngine._read = skewed
+        RankCoordinator.after_cycle = skewed
     if a.job in ("greedy", "disagree"):
         out = greedy(group, model, tok, json.loads(a.prompts), a.max_tokens)
     else:

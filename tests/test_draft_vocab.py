@@ -198,7 +198,10 @@ def test_rejection_sampler_with_q_zero_outside_the_list():
 
 
 def _samples(model, tok, *, enable_mtp, n, seed0, seen=None):
-    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=enable_mtp, num_draft=1, max_batch=64))
+    # The prefix cache holds the shared prompt's state after the first request: the others
+    # start from a copy of it (the same numbers) instead of prefilling it again.
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=enable_mtp, num_draft=1, max_batch=64,
+                                                  prefix_cache_bytes=64 << 20))
     if seen is not None:
         eng.draft_hook = _drafts_recorder(seen)
     for seed in range(seed0, seed0 + n):

@@ -2,6 +2,7 @@
 
 import logging
 import time
+import types
 
 import pytest
 
@@ -10,11 +11,19 @@ from mlxmtp.server.engine_thread import EngineBridge
 
 
 class SlowEngine:
-    """An engine whose calibration takes `seconds` (a large model paging its weights in)."""
+    """An engine whose calibration takes `seconds` (a large model paging its weights in);
+    of engine/interface.Engine, what starting and stopping call."""
 
     def __init__(self, seconds: float, fail: BaseException = None):
         self.seconds, self.fail = seconds, fail
         self.has_work = False
+        self.prefix_cache = types.SimpleNamespace(disk=None)
+
+    def set_fatal_handler(self, handler):
+        pass
+
+    def close(self):
+        pass
 
     def calibrate(self, batch_size):
         time.sleep(self.seconds)

@@ -157,7 +157,7 @@ def test_a_budget_caps_what_one_row_can_reach():
     assert fp.bytes(2, 300) == 2 * (512 * 1000 + 5000)
     assert fp.max_positions(5000 + 256 * 1000 * 3 + 999) == 768
     assert fp.max_positions(100) == 0
-    assert memory.MemoryGuard(fp, 0, PrefixCache(0)).max_positions() > 1 << 40  # unbounded
+    assert memory.MemoryGuard(fp, memory.Room(0), PrefixCache(0)).max_positions() > 1 << 40  # unbounded
 
 
 def test_the_server_caps_the_context_at_what_memory_holds(start_server, server_model):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import shutil
+from unittest import mock
 
 import httpx
 import mlx.core as mx
@@ -20,7 +21,9 @@ from test_add_mtp_weights import DEAD_PID
 
 from mlxmtp.engine import prefix_disk
 from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.build import build_engine
 from mlxmtp.engine.config import EngineConfig
+from mlxmtp.engine.coordinator import Coordinator
 from mlxmtp.engine.prefix_folders import MARKER
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import adapter
@@ -42,10 +45,15 @@ def run(eng, prompts, max_tokens=12):
 
 
 def engine(model, tok, folder, mtp=True, memory=256 << 20, disk=256 << 20):
-    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=2 if mtp else None,
-                                                  prefix_cache_bytes=memory, prefill_step=64))
-    prefix_disk.attach(eng, folder, disk)
-    return eng
+    """An engine whose prefix cache keeps `memory` bytes, and `disk` bytes in `folder` (a
+    budget finer than the option's MiB: the store is built with it, as engine/parts.py
+    builds it from the option)."""
+    config = EngineConfig(enable_mtp=mtp, num_draft=2 if mtp else None, prefix_cache_bytes=memory, prefill_step=64,
+                          prefix_cache_dir=str(folder))
+    store_for = prefix_disk.store_for
+    with mock.patch.object(prefix_disk, "store_for",
+                           lambda pieces, m, where, _mib, *rest: store_for(pieces, m, where, disk, *rest)):
+        return BatchGenerator(model, tok, config)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -183,11 +191,13 @@ def test_the_folder_stays_within_its_budget(fixture_model, tmp_path):
 def test_attach_refuses_what_it_cannot_serve(fixture_model, tmp_path):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     with pytest.raises(ValueError, match="one in memory"):
-        prefix_disk.attach(BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=0)), tmp_path, 1 << 20)
-    eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=1 << 20))
-    eng.prefix_cache.agree = lambda n: n
+        BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=0, prefix_cache_dir=str(tmp_path)))
+
+    class Lockstep(Coordinator):  # a rank's, its sizes its own
+        lockstep = True
+
     with pytest.raises(ValueError, match="across ranks"):
-        prefix_disk.attach(eng, tmp_path, 1 << 20)
+        build_engine(model, tok, EngineConfig(prefix_cache_bytes=1 << 20, prefix_cache_dir=str(tmp_path)), Lockstep())
 
 
 @pytest.mark.slow
@@ -411,6 +421,12 @@ def test_a_stopping_server_waits_for_a_long_step_and_then_the_write(monkeypatch)
         def step(self):
             time.sleep(0.5)  # a long prefill chunk, say
             return []
+
+        def set_fatal_handler(self, _):
+            pass
+
+        def close(self):
+            pass
 
     monkeypatch.setattr(engine_thread, "STOP_WAIT", 0.05)
     for disk, waited in ((object(), True), (None, False)):

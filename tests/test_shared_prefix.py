@@ -95,14 +95,11 @@ def test_a_system_prompts_state_is_written_and_restored_after_a_restart(fixture_
     """One conversation on a system prompt, then a restart: its checkpoint where the system
     prompt ends goes to disk with the conversation's end (though no other conversation
     went on from it yet), and the next session starts from it."""
-    from mlxmtp.engine import prefix_disk
-
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
 
     def engine():
-        eng = BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=256 << 20, prefill_step=64))
-        prefix_disk.attach(eng, tmp_path, 64 << 20)
-        return eng
+        return BatchGenerator(model, tok, EngineConfig(prefix_cache_bytes=256 << 20, prefill_step=64,
+                                                       prefix_cache_dir=str(tmp_path), prefix_cache_disk_mb=64))
 
     system = prompt_of(200, seed=16)
     first = engine()

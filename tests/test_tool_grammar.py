@@ -64,6 +64,19 @@ def test_the_grammar_takes_calls_of_the_schema_and_refuses_others(fixture_tok, x
     assert m.try_consume_tokens(ids) < len(ids)
 
 
+def test_a_function_without_parameters_is_called_with_none(fixture_tok):
+    """OpenAI: a function defined without `parameters` has an empty parameter list."""
+    structured_output.serve_tokenizer(fixture_tok, 320)
+    end = structured_output._added_token(tool_grammar.END)
+    tools = [{"type": "function", "function": {"name": "get_goal", "description": "Read the goal."}}]
+    text, _ = tool_grammar.call_grammar(tools, "required", False, end)
+    for call, whole in (('{"name": "get_goal", "arguments": {}}\n</tool_call>', True),
+                        ('{"name": "get_goal", "arguments": {"x": 1}}\n</tool_call>', False)):
+        m = structured_output._matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
+        ids = fixture_tok.encode(call, add_special_tokens=False)
+        assert (m.try_consume_tokens(ids) == len(ids) and m.is_accepting()) == whole, call
+
+
 # ------------------------------------------------------------------ every API, a model left to itself
 def calls_of(api, client, forced, stream):
     """(name, arguments) of the calls a forced request returned, through each API's SDK."""

@@ -245,14 +245,15 @@ def _load(model, group, engine: EngineConfig, **load_options):
 
 
 def _engine_factory(group, dist_timeout: float):
-    """What builds every rank's engine, `factory(model, tok, engine_config)`: the plain
-    engine alone, a DistributedEngine under mlx.launch (whose failure ends the server:
+    """What builds every rank's engine, `factory(model, tok, engine_config)`: the engine
+    alone (engine/build.py), or under mlx.launch a DistributedEngine driving the engine it
+    builds the same way with its rank's coordinator (its failure ends the server:
     EngineBridge.fail_and_exit)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
-    from ..engine.batch import BatchGenerator
+    from ..engine.build import build_engine
 
     if group is None:
-        return BatchGenerator
+        return build_engine
     from ..distributed.engine import DistributedEngine  # on use, as above
 
     return functools.partial(DistributedEngine, group=group, dist_timeout=dist_timeout)

@@ -1,4 +1,4 @@
-"""The engine on every rank of a distributed run: one `BatchGenerator` per rank, in step.
+"""The driver of every rank of a distributed run: one engine per rank, in step.
 
 Every rank runs the same engine code on its share of the layers; the forwards inside it
 are collectives (mlx-lm's pipeline: receive the hidden states, run the local layers,
@@ -6,10 +6,11 @@ send them on, all-gather), so the ranks must make exactly the same calls in the 
 order. What could make them differ is shared from rank 0 instead:
 
 * the requests and cancellations (only rank 0 serves HTTP): at the start of each step,
-  one message (channel.py) with everything submitted since the last one;
-* each cycle's depth and the policy's other answers (shared_policy.py);
-* the sizes the prefix cache keeps and evicts by, and the memory guard's (each rank's own
-  caches hold other layers);
+  one message (channel.py) with everything submitted since the last one, which this
+  driver puts in every rank's engine inbox before the engine's step;
+* each cycle's depth and the policy's other answers, the sizes the prefix cache and the
+  memory guard go by, and a digest of every cycle's tokens: the engine asks its
+  coordinator (coordinator.py), built into it by engine/build.py;
 * start-up calibration and the end of the run, as messages of their own.
 
 Each rank then verifies, accepts and rolls back its own layers from the same logits, so
@@ -21,21 +22,17 @@ step that raises or stalls past `dist_timeout` is fatal: `on_fatal` ends the run
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
-import zlib
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Set
 
-from ..engine import memory
-from ..engine.batch import BatchGenerator
+from ..engine.build import build_engine
 from ..engine.config import EngineConfig
 from ..engine.request import Event, Request
-from ..engine.scheduler import Inbox
 from .channel import Channel
-from .shared_policy import SharedPolicy
+from .coordinator import RankCoordinator
 from .watchdog import Watchdog
 from .wire import request_from_wire, request_to_wire, with_seed
 
@@ -54,44 +51,70 @@ def exit_on_fatal(message: str) -> None:
     os._exit(EXIT_CODE)
 
 
-class DistributedEngine(BatchGenerator):
+class DistributedEngine:
+    """A loop around this rank's engine (`engine`): rank 0's steps shared and watched, the
+    other ranks following them. It has every member of engine/interface.Engine."""
+
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), *, group, dist_timeout: float = 30.0,
                  on_fatal: Optional[Callable[[str], None]] = None):
         if config.prefix_cache_dir:  # each rank would load and evict on its own
             raise ValueError("a prefix cache on disk is not supported across ranks (mlx.launch)")
-        super().__init__(model, tokenizer, config)
-        self.channel = Channel(group)
-        self.policy = SharedPolicy(self.policy, self.channel, news=lambda: self.outbox.has_changes,
-                                   digest=lambda: self.digest, check=self._check_digest)
-        self.digest = 0  # of every cycle's results so far: the ranks compare theirs (_read)
-        self.prefix_cache.agree = self._agreed_size
-        # Every rank keeps and evicts the same entries, so all use rank 0's budget (each
-        # rank's own default is a share of its own machine's memory).
-        self.prefix_cache.max_bytes = self._agreed_size(self.prefix_cache.max_bytes)
-        # Every rank admits and pauses the same rows (engine/memory.py): all use rank 0's
-        # sizes and budget.
-        self.memory = memory.guard_for(self.pieces, self.memory.budget, self.prefix_cache, agree=self._agreed_size)
-        self.outbox = Inbox()  # rank 0: what submit/cancel handed over since the last step
+        self.coordinator = RankCoordinator(Channel(group))
+        self.engine = build_engine(model, tokenizer, config, self.coordinator)
         self._arrived = threading.Event()
         self.on_fatal = on_fatal or exit_on_fatal
         self.watchdog = Watchdog(dist_timeout, self._fail)
         self.closed = False
-        self._stepping = False
 
     @property
     def leader(self) -> bool:
-        return self.channel.leader
+        return self.coordinator.leader
+
+    @property
+    def channel(self) -> Channel:
+        return self.coordinator.channel
+
+    # ------------------------------------------------------------ the engine's, as it has them
+    @property
+    def prefix_cache(self):
+        return self.engine.prefix_cache
+
+    @property
+    def memory(self):
+        return self.engine.memory
+
+    @property
+    def cycles(self) -> int:
+        return self.engine.cycles
+
+    @property
+    def last_depth(self) -> int:
+        return self.engine.last_depth
+
+    @property
+    def why(self) -> str:
+        return self.engine.why
+
+    @property
+    def num_active(self) -> int:
+        return self.engine.num_active
+
+    def cancelled_ids(self) -> Set[int]:
+        return self.engine.cancelled_ids()
+
+    def set_fatal_handler(self, handler: Callable[[str], None]) -> None:
+        self.on_fatal = handler
 
     # ------------------------------------------------------------ rank 0, any thread
     def submit(self, req: Request) -> int:
-        req.validate(self.vocab_size, self.max_depth)
+        req.validate(self.engine.vocab_size, self.engine.max_depth)
         request_to_wire(with_seed(req))  # refuse here what could not be shared
-        self.outbox.put(req)
+        self.coordinator.outbox.put(req)
         self._arrived.set()
         return req.id
 
     def cancel(self, request_id: int) -> None:
-        self.outbox.cancel(request_id)
+        self.coordinator.outbox.cancel(request_id)
         self._arrived.set()
 
     @property
@@ -101,25 +124,25 @@ class DistributedEngine(BatchGenerator):
 
     @property
     def num_waiting(self) -> int:
-        return super().num_waiting + len(self.outbox)
+        return self.engine.num_waiting + len(self.coordinator.outbox)
 
-    def unstarted_request_ids(self):
-        return super().unstarted_request_ids() | {r.id for r in self.outbox.requests()}
+    def unstarted_request_ids(self) -> Set[int]:
+        return self.engine.unstarted_request_ids() | {r.id for r in self.coordinator.outbox.requests()}
 
     # ------------------------------------------------------------ every rank, engine thread
     def step(self) -> List[Event]:
         """One step on every rank: rank 0 shares what arrived (waiting up to HEARTBEAT when
         there is nothing to do), then every rank runs the same engine step."""
-        if self.leader and not super().has_work and not self.outbox.has_changes:
+        if self.leader and not self.engine.has_work and not self.coordinator.outbox.has_changes:
             self._arrived.wait(HEARTBEAT)
         return self._run("a step", self._turn) or []
 
     def calibrate(self, batch_size: int = 1) -> bool:
-        """Outside a step (the server at start-up), rank 0 has every rank calibrate; inside
-        one, every rank is already at the same call."""
-        if self.leader and not self._stepping:
+        """Rank 0 (the server at start-up) has every rank calibrate; inside a step every rank
+        is already at the same call (the engine's own)."""
+        if self.leader:
             return self._run("calibration", lambda: self._send({"calibrate": batch_size}))
-        return super().calibrate(batch_size)
+        return self.engine.calibrate(batch_size)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks the run is over (they return from `follow`)."""
@@ -135,32 +158,32 @@ class DistributedEngine(BatchGenerator):
     def _turn(self):
         """One step on this rank: rank 0's message carried out, or after a quiet depth
         choice (shared_policy.py), the step without one."""
-        if self.policy.quiet:
+        if self.coordinator.quiet:
             return self._quiet_step()
         message, new = None, None
         if self.leader:
             self._arrived.clear()
-            new, cancelled = self.outbox.take()
+            new, cancelled = self.coordinator.outbox.take()
             message = {"new": [request_to_wire(r) for r in new], "cancel": sorted(cancelled)}
         return self._carry_out(self._share(message), new)
 
     def _quiet_step(self):
-        self.policy.quiet = False
+        self.coordinator.heard()
         return self._carry_out({"new": [], "cancel": []}, [])
 
     def _send(self, message: dict):
         """Rank 0: a message outside the steps, once the other ranks are at a message
         (a quiet step they are about to take is taken first)."""
-        if self.policy.quiet:
+        if self.coordinator.quiet:
             self._quiet_step()
         return self._carry_out(self._share(message))
 
     def _share(self, message: Optional[dict]) -> dict:
         """Rank 0's message on every rank, with rank 0's digest checked against this rank's."""
         if self.leader:
-            message = {**message, "digest": self.digest}
+            message = {**message, "digest": self.coordinator.digest}
         message = self.channel.share(message)
-        self._check_digest(message["digest"])
+        self.coordinator.check_digest(message["digest"])
         return message
 
     def _carry_out(self, message: dict, own: Optional[List[Request]] = None):
@@ -169,34 +192,13 @@ class DistributedEngine(BatchGenerator):
             self.closed = True
             return None
         if "calibrate" in message:
-            return BatchGenerator.calibrate(self, message["calibrate"])
+            return self.engine.calibrate(message["calibrate"])
         for req in own if own is not None else map(request_from_wire, message["new"]):
-            self.inbox.put(req)
+            self.engine.inbox.put(req)
         for rid in message["cancel"]:
-            self.inbox.cancel(rid)
-        self._stepping = True
-        try:
-            events = BatchGenerator.step(self)
-        finally:
-            self._stepping = False
+            self.engine.inbox.cancel(rid)
+        events = self.engine.step()
         return events if self.leader else None
-
-    def _read(self, rec):
-        """Every rank accepts drafts from its own copy of the same logits, so the ranks must
-        agree bit for bit (ranks of one kind of machine and one MLX do). A digest of each
-        cycle's kept counts and tokens travels with rank 0's next message or depth, and a
-        rank that computed otherwise stops the run instead of decoding garbage."""
-        kept, tokens, tables = super()._read(rec)
-        self.digest = zlib.crc32(json.dumps([kept, tokens]).encode(), self.digest)
-        return kept, tokens, tables
-
-    def _check_digest(self, leaders: int) -> None:
-        if leaders != self.digest:
-            raise RuntimeError(f"rank {self.channel.rank} decoded other tokens than rank 0 (mixed machine kinds "
-                               "or MLX versions compute different logits); every rank must run the same")
-
-    def _agreed_size(self, nbytes: int) -> int:
-        return self.channel.share_ints([nbytes] if self.leader else None, 1)[0]
 
     def _run(self, what: str, fn):
         with self.watchdog.watch(what):

@@ -4,8 +4,8 @@ Every `step()`:
   1. takes new requests and cancellations from a thread-safe inbox (scheduler.py);
   2. prefills waiting prompts alone (B=1), in chunks, and merges each into the batch
      when its first token is out (prefill.py);
-  3. runs one decode cycle for all active rows together (cycle.py): the head chains k
-     drafts per row (proposer.py), the main model verifies every row's k+1 tokens in
+  3. runs one decode cycle for all active rows together (cycle.py): the drafter proposes k
+     drafts per row (proposers/), the main model verifies every row's k+1 tokens in
      ONE forward, each row keeps its own number of drafts (verify.py), its tokens become
      text and events (output.py), and every cache is rolled back to what each row kept.
 
@@ -15,7 +15,7 @@ queued on the device before the previous one is read. B=1 is simply a batch of o
 is how `generate` runs).
 
 The rest of the engine, one job a file: state.py (a request's Row; the Batch of active
-rows and their caches), head_inputs.py (the head's pending inputs between cycles),
+rows and their caches), proposers/ (the drafters behind one interface: the MTP head),
 timing.py (what a cycle cost, for the depth policy and the stats), failures.py (one
 request's failing code fails that request only), pieces.py (what runs of the model).
 """
@@ -24,21 +24,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
 from typing import List, Optional, Set
 
 import mlx.core as mx
 
-from ..mlxlm import adapter
-from . import budgets, calibration, cycle, head_inputs, memory, prefix_disk, scheduler
+from . import calibration, cycle, memory, scheduler
 from .config import EngineConfig
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
 from .output import emit_cycle
-from .pieces import cycle_modes, model_pieces, shared_policy
+from .parts import EngineParts, make_parts
+from .pieces import cycle_modes
 from .prefill import Prefiller
-from .prefix_cache import PrefixCache
-from .proposer import draft
+from .proposers.build import build_proposer
 from .request import Event, Request
 from .state import Batch, Row, new_row, to_resume
 from .timing import CycleClock
@@ -46,25 +44,25 @@ from .verify import draft_picker
 
 
 class BatchGenerator:
-    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), parts: Optional[EngineParts] = None):
         self.model, self.tokenizer = model, tokenizer
         self.config = config  # as given: what the ranks of a distributed run compare
-        c = budgets.resolved(model, config)
-        self.policy = shared_policy(model, c.max_depth, c.num_draft)
+        parts = parts or make_parts(model, config)  # engine/build.py; None: a process alone's
+        c, self.coordinator = parts.settings, parts.coordinator
+        self.policy = parts.policy
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
         self.max_batch = c.max_batch
         self.acceptance_rule = c.acceptance_rule
         # profile: drafts evaluated on their own, to split device time (for benchmarks).
         self.profile = c.profile
         self.shape_stable, self.pipeline_drafts = cycle_modes(c.shape_stable, c.pipeline_drafts, c.profile)
-        # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py).
-        self.pieces = model_pieces(model, c.enable_mtp, c.compile_steps)
-        adapter.prepare_model(self.pieces.parts.text_model)
+        self.pieces = parts.pieces
+        # The drafter (None: plain decoding); it reads the policy in use (tests replace it).
+        self.proposer = build_proposer(self.pieces, self)
         self.vocab_size = self.pieces.parts.args.vocab_size
-        self.prefix_cache = PrefixCache(c.prefix_cache_bytes, c.prefix_cache_entries)
+        self.prefix_cache = parts.prefix_cache
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, c.prefill_step)
-        # memory_bytes: what running rows and the prefix cache may hold together (0: unbounded).
-        self.memory = memory.guard_for(self.pieces, c.memory_bytes, self.prefix_cache)
+        self.memory = parts.memory  # running rows and the prefix cache within the memory budget
         self.batch = Batch(self.shape_stable, head_width=self.max_depth + 1)
         self.waiting: deque = deque()  # Rows not yet prefilled
         self.inbox = scheduler.Inbox()
@@ -76,8 +74,6 @@ class BatchGenerator:
         # row emits in a cycle not read yet (a drafting cycle built on an unread one).
         self.draft_hook = None
         self._inflight: Optional[Cycle] = None  # a pipelined cycle not read yet
-        if c.prefix_cache_dir:  # the prefix cache's disk tier (engine/prefix_disk.py)
-            prefix_disk.attach(self, Path(c.prefix_cache_dir), c.prefix_cache_disk_mb << 20)
 
     # ---------------------------------------------------------------- public, thread-safe
     def submit(self, req: Request) -> int:
@@ -129,6 +125,12 @@ class BatchGenerator:
     def cancelled_ids(self) -> Set[int]:
         """Cancellations submitted but not yet applied."""
         return self.inbox.cancelled_ids()
+
+    def set_fatal_handler(self, handler) -> None:
+        """Nothing: a failing step leaves this engine to be rebuilt (server/engine_thread.py)."""
+
+    def close(self) -> None:
+        """Nothing to tell anyone: this engine runs alone."""
 
     def flush(self) -> List[Event]:
         """Read and emit the cycle in flight, if any: the caches then hold exactly what
@@ -243,8 +245,8 @@ class BatchGenerator:
         """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily;
         `after`: the previous cycle, still unread (pipelined), or None."""
         if k > 0 and after is not None:
-            return cycle.launch_after(self.pieces, self.batch, after, k, self._picker(list(self.rows)),
-                                      self.draft_hook, self.acceptance_rule)
+            return cycle.launch_after(self.pieces, self.batch, after, k, self.proposer,
+                                      self._picker(list(self.rows)), self.draft_hook, self.acceptance_rule)
         t0 = time.perf_counter()
         rows = list(self.rows)
         ys = cycle.first_inputs(rows, after)
@@ -256,9 +258,7 @@ class BatchGenerator:
         """k drafts per row -> (drafts [B, k], the q log-probs [B, k, V] or None: all greedy)."""
         if k == 0:
             return mx.zeros((len(rows), 0), dtype=mx.int32), None
-        p = self.pieces
-        drafts, q = draft(p.head, p.vocab, self.head_cache, [r.pend for r in rows], [r.pend_t for r in rows],
-                          k, self._picker(rows), self.batch.head_width)
+        drafts, q = self.proposer.propose(self.batch, rows, k, self._picker(rows))
         if self.draft_hook is not None:
             drafts = self.draft_hook(rows, drafts, None)
         if self.profile:
@@ -273,8 +273,10 @@ class BatchGenerator:
         return draft_picker(rows)
 
     def _read(self, rec: Cycle):
-        """The cycle's results on the host (a distributed engine checks its ranks agree)."""
-        return cycle.read(rec)
+        """The cycle's results on the host, shown to the coordinator (ranks check they agree)."""
+        kept, tokens, tables = cycle.read(rec)
+        self.coordinator.after_cycle(kept, tokens)
+        return kept, tokens, tables
 
     def _finish(self, rec: Cycle, events: List[Event], rolled_back: bool = False) -> None:
         """Read a cycle's results (the one host sync), emit, and roll every state back;
@@ -283,14 +285,11 @@ class BatchGenerator:
         kept, tokens, tables = self._read(rec)
         consumed, finished = emit_cycle(rec.rows, rec.k, kept, tokens, tables, events)
         if rolled_back:
-            cycle.settle(rec, self.batch, kept)
+            cycle.settle(rec, self.batch, self.proposer, kept)
         else:
             cycle.roll_back(rec, self.batch, consumed)
-            if self.pieces.head is not None:
-                head_inputs.after_cycle(rec.rows, rec.hidden, tokens, consumed, rec.k)
-                if rec.k == 0:
-                    head_inputs.keep_bounded(self.rows, self.policy.plain_regime(), self.pieces.head,
-                                             self.pieces.vocab, self.head_cache)
+            if self.proposer is not None:  # what the drafter learns from the cycle
+                self.proposer.after_verify(self.batch, rec, tokens, consumed)
         for row in rec.rows:
             row.y = row.tokens[-1]
         self.clock.finish(rec, self.policy, kept)

@@ -30,7 +30,7 @@ import mlx.core as mx
 from ..mlxlm import adapter, gdn_capture
 from .pieces import ModelPieces
 from .policy import GREEDY, SAMPLED
-from .proposer import chain
+from .proposers.mtp_head import chain
 from .sampling import RowSampler, SamplingParams
 from .verify import VerifyMetadata, accept, picker
 

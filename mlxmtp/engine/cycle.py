@@ -1,11 +1,12 @@
 """One decode cycle for every active row: launch, then commit.
 
-Launch builds the whole cycle lazily: the head chains k drafts per row (proposer), the
-main model verifies every row's k+1 tokens in ONE forward, and each row keeps its own
-number of drafts (verify; ragged acceptance). Commit reads the results (the cycle's one
-host synchronisation) and rolls every cache back to exactly the tokens each row
-consumed: attention caches trim per row in O(1); Gated DeltaNet state is rebuilt per
-row from what the verify recorded (gdn_capture); no second forward.
+Launch builds the whole cycle lazily: the drafter proposes k drafts per row (a
+`proposers.base.Proposer`; the MTP head chains them), the main model verifies every row's
+k+1 tokens in ONE forward, and each row keeps its own number of drafts (verify; ragged
+acceptance). Commit reads the results (the cycle's one host synchronisation) and rolls
+every cache back to exactly the tokens each row consumed: attention caches trim per row
+in O(1); Gated DeltaNet state is rebuilt per row from what the verify recorded
+(gdn_capture); no second forward.
 
 Plain decoding (k = 0) is pipelined as mlx-lm does it: a cycle's forward is queued on
 the device before the previous cycle's tokens are read (`BatchGenerator._decode_cycle`).
@@ -25,7 +26,6 @@ import mlx.core as mx
 
 from ..mlxlm import adapter, gdn_capture
 from .pieces import ModelPieces
-from .proposer import draft_unread
 from .state import Batch, Row, acceptance_classes
 from .verify import VerifyMetadata, accept
 
@@ -122,39 +122,31 @@ def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
 
 
 def roll_back(rec: Cycle, batch: Batch, consumed: List[int]) -> None:
-    """Roll the caches back to exactly the tokens each row consumed (y plus the kept drafts)."""
+    """Roll the main model's caches back to exactly the tokens each row consumed (y plus the
+    kept drafts); the drafter's state is the proposer's (Proposer.after_verify)."""
     adapter.commit(batch.cache, rec.records, consumed, rec.k + 1)
-    _drop_chained_head_rows(batch, rec)
 
 
-def _drop_chained_head_rows(batch: Batch, rec: Cycle) -> None:
-    """Trim the rows the head wrote while chaining drafts 2..k (from its own guesses)."""
-    if batch.head_cache is not None and rec.k > 1:
-        for c in batch.head_cache:
-            c.trim_rows([rec.k - 1] * len(rec.rows))
-
-
-def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, pick, hook, rule: str) -> Cycle:
+def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, proposer, pick, hook,
+                 rule: str) -> Cycle:
     """Build a drafting cycle of depth k on top of `prev` (a drafting cycle not read yet):
     prev's rollback (attention trims deferred, Gated DeltaNet states from its kept counts),
-    the head's pass over prev's hidden states, the drafts, the verify and the acceptance,
-    all lazily. `hook(rows, drafts, unread)`: the engine's draft hook, or None."""
+    the proposer's drafts from prev's unread results (Proposer.propose_unread), the verify
+    and the acceptance, all lazily. `hook(rows, drafts, unread)`: the engine's draft hook,
+    or None."""
     t0 = time.perf_counter()
     B = len(prev.rows)
     consumed = prev.kept + 1
     adapter.commit_unread(batch.cache, prev.records, consumed, prev.k + 1)
-    _drop_chained_head_rows(batch, prev)
     ys = prev.tokens[mx.arange(B), prev.kept][:, None]
-    drafts, q = draft_unread(pieces.head, pieces.vocab, batch.head_cache, prev.hidden, prev.tokens,
-                             prev.kept, k, pick, batch.head_width)
+    drafts, q = proposer.propose_unread(batch, prev, k, pick)
     if hook is not None:
         drafts = hook(prev.rows, drafts, consumed)
     return verify(pieces, batch.cache, prev.rows, ys, drafts, q, rule, t0, True)
 
 
-def settle(prev: Cycle, batch: Batch, kept: List[int]) -> None:
+def settle(prev: Cycle, batch: Batch, proposer, kept: List[int]) -> None:
     """prev was rolled back by the cycle built after it (launch_after): now that its kept
-    counts are read, settle the trims that cycle deferred."""
+    counts are read, settle the trims that cycle deferred (the main model's, the drafter's)."""
     adapter.settle(batch.cache, [prev.k - n for n in kept])
-    bucket = batch.head_cache[0].query_bucket(prev.k + 1, batch.head_width)
-    adapter.settle(batch.head_cache, [bucket - 1 - n for n in kept])
+    proposer.settle(batch, prev, kept)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
-from .batch import BatchGenerator
+from .build import build_engine
 from .config import EngineConfig
+from .interface import Engine
 from .request import Event, Request, RequestStats
 from .sampling import SamplingParams
 
@@ -23,9 +24,9 @@ class GenerationResult:
 def stream_generate(model, tokenizer, prompt: List[int], *, max_tokens: int = 256,
                     params: Optional[SamplingParams] = None, stop: Optional[List[str]] = None,
                     config: EngineConfig = EngineConfig(),
-                    engine: Optional[BatchGenerator] = None) -> Iterator[Event]:
+                    engine: Optional[Engine] = None) -> Iterator[Event]:
     """The request's events, on `engine`, or on one built from `config`."""
-    engine = engine or BatchGenerator(model, tokenizer, config)
+    engine = engine or build_engine(model, tokenizer, config)
     req = Request(prompt=list(prompt), max_tokens=max_tokens, params=params or SamplingParams(),
                   stop=list(stop or []))
     engine.submit(req)

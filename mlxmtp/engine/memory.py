@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 
@@ -98,16 +98,40 @@ def default_budget(weights: int) -> int:
     return max(0, limit - max(limit // 10, 1 << 30) - weights)
 
 
-class MemoryGuard:
-    """Keeps running rows and the prefix cache within `budget` bytes (0: unbounded)."""
+class Room:
+    """The `budget` bytes running rows and the prefix cache share (0: unbounded), and what
+    the rows take of it now: the guard writes `running`, the prefix cache reads `left`.
+    Built before both, so neither has to set the other's fields."""
 
-    def __init__(self, footprint: Footprint, budget: int, prefix_cache):
-        self.footprint = footprint
+    def __init__(self, budget: int):
         self.budget = budget
-        self.prefix_cache = prefix_cache
-        self.running = 0  # bytes the rows of the last check take
+        self.running = 0  # bytes the rows of the guard's last check take
+
+    def left(self) -> int:
+        """Bytes the running rows leave the prefix cache."""
+        return max(0, self.budget - self.running)
+
+
+class MemoryGuard:
+    """Keeps running rows and the prefix cache within `room`'s budget."""
+
+    def __init__(self, footprint: Footprint, room: Room, prefix_cache):
+        self.footprint = footprint
+        self.room = room
+        self.prefix_cache = prefix_cache  # built with `room.left` as its limit (engine/parts.py)
         self.preempted = 0  # rows sent back to wait, in all
-        prefix_cache.room = (lambda: max(0, self.budget - self.running)) if budget > 0 else None
+
+    @property
+    def budget(self) -> int:
+        return self.room.budget
+
+    @property
+    def running(self) -> int:
+        return self.room.running
+
+    @running.setter
+    def running(self, nbytes: int) -> None:
+        self.room.running = nbytes
 
     @property
     def enabled(self) -> bool:
@@ -201,11 +225,12 @@ def after_drop(guard: MemoryGuard, rows, waiting) -> None:
                                     *_prefilled_lengths([r for r in waiting if r.cache is not None])])
 
 
-def guard_for(pieces, budget: int, prefix_cache, agree: Optional[Callable[[int], int]] = None) -> MemoryGuard:
-    """The engine's guard; `agree`: a distributed engine's way to take rank 0's numbers
-    (every rank must admit and preempt the same rows, while each holds other layers)."""
+def sizes(pieces, budget: int, agree: Optional[Callable[[int], int]] = None) -> Tuple[Footprint, Room]:
+    """(one row's footprint, the room of `budget` bytes) of the engine of `pieces`; `agree`:
+    a distributed rank's way to take rank 0's numbers (every rank must admit and preempt the
+    same rows, while each holds other layers)."""
     footprint = measure(pieces) if budget > 0 else Footprint(0, 0)
     if agree is not None:
         footprint = Footprint(agree(footprint.per_position), agree(footprint.per_row))
         budget = agree(budget)
-    return MemoryGuard(footprint, budget, prefix_cache)
+    return footprint, Room(budget)

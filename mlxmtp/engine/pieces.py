@@ -12,7 +12,7 @@ from ..models.mtp_head import MTPHead
 from ..models.mtp_model import MTPModel
 from .adaptive import DepthPolicy
 from .compiled_head import CompiledHead
-from .proposer import Vocab
+from .proposers.mtp_head import Vocab
 
 
 @dataclass(frozen=True)

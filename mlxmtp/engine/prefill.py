@@ -33,7 +33,7 @@ from .failures import RowFailure, blame
 from .output import emit, failed
 from .pieces import ModelPieces
 from .prefix_cache import PrefixCache
-from .proposer import head_pass, pending_array, pending_count
+from .proposers.mtp_head import head_pass, pending_array, pending_count
 from .request import Event
 from .state import Batch, Row, prompt_left
 from .verify import sample_first

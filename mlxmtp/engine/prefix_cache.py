@@ -61,7 +61,8 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, max_entries: Optional[int] = None):
+    def __init__(self, max_bytes: int, max_entries: Optional[int] = None, *,
+                 agree: Optional[Callable[[int], int]] = None, room: Optional[Callable[[], int]] = None, disk=None):
         self.max_bytes = max_bytes
         # None: bytes alone bound it. A count would evict the short entries that many
         # prompts share (a system prompt's) as soon as enough long ones are stored.
@@ -71,13 +72,13 @@ class PrefixCache:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
-        # A distributed engine's ranks must keep and evict the same entries while each
-        # holds other layers: it sets this to share rank 0's sizes (distributed/engine.py).
-        self.agree: Optional[Callable[[int], int]] = None
-        # Bytes the running requests leave it (engine/memory.py), None: max_bytes alone.
-        self.room: Optional[Callable[[], int]] = None
+        # The ranks of a distributed engine must keep and evict the same entries while each
+        # holds other layers: `agree` takes rank 0's size for one (engine/coordinator.py).
+        self.agree = agree
+        # Bytes the running requests leave it (engine/memory.Room.left), None: max_bytes alone.
+        self.room = room
         # Where evicted entries go, and are loaded back from (engine/prefix_disk.py), or None.
-        self.disk = None
+        self.disk = disk
 
     def limit(self) -> int:
         """Bytes it may hold now."""

@@ -279,20 +279,20 @@ class DiskPrefixStore:
         return self._model
 
 
-def attach(engine, folder: Path, max_bytes: int) -> DiskPrefixStore:
-    """Give `engine`'s prefix cache a disk store in `folder` of at most `max_bytes`."""
-    cache, pieces = engine.prefix_cache, engine.pieces
-    model_dir = getattr(engine.model, "model_dir", None)
+def store_for(pieces, model, folder: Path, max_bytes: int, cache_bytes: int, lockstep: bool) -> DiskPrefixStore:
+    """A disk store in `folder` of at most `max_bytes` for the prefix cache of `cache_bytes`
+    in memory of an engine of `pieces` (engine/parts.py builds the cache with it);
+    `lockstep`: the engine runs on the ranks of a distributed run."""
+    model_dir = getattr(model, "model_dir", None)
     if model_dir is None:
         raise ValueError("a prefix cache on disk needs a model loaded from a folder")
-    if cache.max_bytes <= 0:
+    if cache_bytes <= 0:
         raise ValueError("a prefix cache on disk needs one in memory (--prefix-cache-mb above 0)")
-    if cache.agree is not None:  # each rank would load and evict on its own
+    if lockstep:  # each rank would load and evict on its own
         raise ValueError("a prefix cache on disk is not supported across ranks (mlx.launch)")
     fingerprint = model_fingerprint(Path(model_dir), pieces.head is not None, pieces.hidden_state)
-    cache.disk = DiskPrefixStore(Path(folder), max_bytes, fingerprint,
-                                 functools.partial(prefix_check.model_state, pieces))
-    if cache.disk.usable:
-        log.info("prefix cache on disk: %s, up to %d MiB (%d entries found)", cache.disk.folder, max_bytes >> 20,
-                 len(cache.disk.entries))
-    return cache.disk
+    disk = DiskPrefixStore(Path(folder), max_bytes, fingerprint, functools.partial(prefix_check.model_state, pieces))
+    if disk.usable:
+        log.info("prefix cache on disk: %s, up to %d MiB (%d entries found)", disk.folder, max_bytes >> 20,
+                 len(disk.entries))
+    return disk

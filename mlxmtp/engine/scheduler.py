@@ -19,7 +19,7 @@ from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import failed
 from .prefix_cache import PrefixCache
-from .proposer import pending_array
+from .proposers.mtp_head import pending_array
 from .request import Event, Request
 from .state import Batch, Row
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..mlxlm import adapter
 from .policy import GREEDY, REPRODUCIBLE, SAMPLED
-from .proposer import Segment
+from .proposers.mtp_head import Segment
 from .request import Request, RequestStats
 from .sampling import RowSampler
 
@@ -37,7 +37,7 @@ class Row:
     text: str = ""
     sent: int = 0  # characters of text already emitted
     # Pending head inputs: main-model hidden states the head has not consumed yet, and the
-    # token after each (see proposer).
+    # token after each (see proposers/mtp_head.py).
     pend: List[Segment] = field(default_factory=list)
     pend_t: List[int] = field(default_factory=list)
     # Prefill-only state (B=1) until the row joins the batch.

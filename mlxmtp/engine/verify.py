@@ -207,7 +207,7 @@ def _decide_sampled(meta: VerifyMetadata, p: mx.array, noise):
 
 
 def draft_picker(rows: List[Row]):
-    """How the proposer decides each draft of `rows` (see proposer.draft): the argmax for
+    """How the proposer decides each draft of `rows` (see proposers/mtp_head.draft): the argmax for
     greedy rows, a sample from the row's processed distribution (and that q) for sampled ones."""
     return picker([r.sampler for r in rows], [r.tokens for r in rows], [r.req.id for r in rows])
 

@@ -14,8 +14,9 @@ import mlx.core as mx
 from starlette.applications import Starlette
 
 from ..engine import budgets, memory
-from ..engine.batch import BatchGenerator
+from ..engine.build import build_engine
 from ..engine.config import EngineConfig
+from ..engine.interface import Engine
 from ..engine.pieces import model_pieces
 from ..mlxlm.family import text_parts
 from ..models.mtp_model import MTPModel
@@ -33,7 +34,7 @@ log = logging.getLogger("mlxmtp.server")
 
 def create_app(model, tok, server: ServerConfig = ServerConfig(), engine: EngineConfig = SERVED_ENGINE, *,
                request_hook: Optional[Callable] = None,
-               engine_factory: Callable[..., BatchGenerator] = BatchGenerator) -> OuterApp:
+               engine_factory: Callable[..., Engine] = build_engine) -> OuterApp:
     """The ASGI app serving `model` as `server` says, on the engine
     `engine_factory(model, tok, engine)` builds on the engine thread (rank 0 of a
     distributed server passes its own; every other rank builds its engine from the same
@@ -85,7 +86,7 @@ def _log_prefix_cache(budget: int, entries: Optional[int]) -> None:
              f", {entries} entries" if entries else "")
 
 
-def _watched_bridge(make_engine: Callable[[], BatchGenerator], metrics: Metrics) -> EngineBridge:
+def _watched_bridge(make_engine: Callable[[], Engine], metrics: Metrics) -> EngineBridge:
     """The bridge to the engine `make_engine` builds, its prefix cache and memory in `metrics`."""
     bridge = EngineBridge(make_engine, metrics)
     metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)

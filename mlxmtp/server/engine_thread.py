@@ -1,6 +1,7 @@
 """The async bridge: one engine thread, per-request asyncio queues.
 
-`BatchGenerator` is single-threaded (only `submit` / `cancel` are thread-safe), so one
+The engine (engine/interface.Engine: a `BatchGenerator`, or rank 0's driver of a
+distributed run) is single-threaded (only `submit` / `cancel` are thread-safe), so one
 daemon thread owns it and loops `step()`; each event goes to its request's asyncio
 queue through `loop.call_soon_threadsafe`. When there is no work the thread sleeps on
 a threading.Event that `submit` sets.
@@ -26,7 +27,7 @@ import time
 from typing import Callable, Dict, Optional, Tuple
 
 from ..distributed.engine import EXIT_CODE
-from ..engine.batch import BatchGenerator
+from ..engine.interface import Engine
 from ..engine.request import Event, Request
 
 log = logging.getLogger("mlxmtp.server")
@@ -38,9 +39,9 @@ STARTING_LOG = 30.0  # seconds between the lines saying the engine is still star
 
 
 class EngineBridge:
-    def __init__(self, make_engine: Callable[[], BatchGenerator], metrics=None):
+    def __init__(self, make_engine: Callable[[], Engine], metrics=None):
         self._make_engine = make_engine
-        self.engine: Optional[BatchGenerator] = None  # built on the engine thread
+        self.engine: Optional[Engine] = None  # built on the engine thread
         self._ready = threading.Event()
         self._start_error: Optional[BaseException] = None
         self.metrics = metrics
@@ -148,8 +149,7 @@ class EngineBridge:
             self._start_error = e
             self._ready.set()
             return
-        if hasattr(self.engine, "on_fatal"):  # a distributed engine cannot be rebuilt alone
-            self.engine.on_fatal = self.fail_and_exit
+        self.engine.set_fatal_handler(self.fail_and_exit)  # a distributed engine cannot be rebuilt alone
         try:
             self.engine.calibrate(1)  # before serving: the first request does not wait for it
         except Exception:  # noqa: BLE001 - the engine still runs; it calibrates on first use
@@ -162,13 +162,11 @@ class EngineBridge:
             self._loop()
         finally:
             self._save_prefix_cache()
-            close = getattr(self.engine, "close", None)  # a distributed engine tells its other ranks
-            if close is not None:
-                close()
+            self.engine.close()  # a distributed engine tells its other ranks
 
     def _prefix_disk(self):
         """The engine's prefix cache's disk store (engine/prefix_disk.py), or None."""
-        return getattr(getattr(self.engine, "prefix_cache", None), "disk", None)
+        return self.engine.prefix_cache.disk if self.engine is not None else None
 
     def _save_prefix_cache(self) -> None:
         """Write what the prefix cache holds to its disk store, if it has one (a restarted
@@ -226,7 +224,7 @@ class EngineBridge:
         except RuntimeError:  # the loop is closed (server shutting down)
             pass
 
-    def _recover(self, eng: BatchGenerator, exc: Exception) -> None:
+    def _recover(self, eng: Engine, exc: Exception) -> None:
         # The step may have failed half-way through moving a row (e.g. a prefill that had
         # just left `waiting`), so "touched" is everything except what provably had not
         # started: still in the inbox, or waiting with no prefill state yet.

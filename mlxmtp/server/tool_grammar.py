@@ -45,13 +45,18 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 _RAW_VALUE = r"/(?s:.{%s}\n<\/parameter>\n)/ & ~/(?s:.*<\/parameter>.*<\/parameter>.*)/"
 
 
+# A function defined without parameters takes none (OpenAI: "omitting parameters defines a
+# function with an empty parameter list"): its call's arguments are {}.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def functions(tools: List[dict]) -> List[tuple]:
     """[(name, parameters schema)] of the tools as the chat template lists them."""
     out = []
     for t in tools or []:
         f = t.get("function", t)  # OpenAI wraps in "function"; Anthropic names its schema input_schema
         params = f.get("parameters", f.get("input_schema"))
-        params = params if isinstance(params, dict) else {"type": "object"}
+        params = params if isinstance(params, dict) else NO_PARAMETERS
         out.append((f["name"], params))
     return out
 

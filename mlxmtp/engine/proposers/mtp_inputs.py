@@ -1,4 +1,4 @@
-"""The head's pending inputs between decode cycles (see proposer for what they are).
+"""The head's pending inputs between decode cycles (see mtp_head.py for what they are).
 
 After a drafting cycle the head has consumed every pending input (its drafts started
 from them), so each row's pending inputs become the verify's own hidden states paired
@@ -13,8 +13,8 @@ from typing import List
 
 import mlx.core as mx
 
-from .proposer import Vocab, drop_pending, head_pass
-from .state import Row
+from ..state import Row
+from .mtp_head import Vocab, drop_pending, head_pass
 
 # Pending inputs a row may accumulate while k = 0 before the head catches up.
 ABSORB_AFTER = 64

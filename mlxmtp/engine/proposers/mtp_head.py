@@ -1,4 +1,5 @@
-"""The MTP proposer: feeds the head its pending inputs and chains k drafts.
+"""The MTP head's drafting (wrapped as a Proposer by mtp.py): feeds the head its pending
+inputs and chains k drafts.
 
 Each row carries "pending" head inputs: pairs (main-model hidden at position i,
 token at i+1) that the head has not consumed yet. After a verify that kept m drafts
@@ -14,9 +15,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from ..mlxlm.family import TextParts
-from ..models.draft_vocab import DraftVocab
-from ..models.mtp_head import MTPHead
+from ...mlxlm.family import TextParts
+from ...models.draft_vocab import DraftVocab
+from ...models.mtp_head import MTPHead
 
 # A row's pending hidden states are kept as segments (array, row, n): the first n
 # positions of array[row] ([B, T, H] from a batched forward) or of array itself when
