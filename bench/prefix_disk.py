@@ -27,8 +27,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.prefix_cache import PrefixEntry
-from mlxmtp.engine.prefix_disk import DiskPrefixStore
+from mlxmtp.engine.prefix.cache import PrefixEntry
+from mlxmtp.engine.prefix.disk import DiskPrefixStore
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS

@@ -1,7 +1,7 @@
 """Run under `mlx.launch --backend ring -n 2` by tests/test_distributed.py: every rank loads
 its share of MODEL and runs the distributed engine; rank 0 prints one JSON object.
 
-  greedy: for k = 0..4 and adaptive, batch 1 and 4: the tokens of PROMPTS
+  greedy: for each of DEPTHS (k = 0..4 and adaptive), batch 1 and 4: the tokens of PROMPTS
   sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
   disagree: as greedy, but rank 1 pretends to have decoded something else (a machine whose
             logits differ): the run must stop, not go on
@@ -17,6 +17,10 @@ from mlxmtp.distributed.load import load_on_rank
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
+
+# The 2-rank sampling test's engine (test_distributed.py builds the one-process one alike):
+# its prefix cache gives every request after the first the shared prompt's state.
+SAMPLED = EngineConfig(num_draft=2, max_batch=64, prefix_cache_bytes=64 << 20)
 
 
 def run(engine, batches):
@@ -42,9 +46,9 @@ def run(engine, batches):
     return out
 
 
-def greedy(group, model, tok, prompts, max_tokens):
+def greedy(group, model, tok, prompts, max_tokens, depths):
     out = {}
-    for k in [0, 1, 2, 3, 4, None]:
+    for k in depths:
         for batch in (1, 4):
             engine = DistributedEngine(model, tok, EngineConfig(num_draft=k), group=group, dist_timeout=120)
             requests = [Request(prompt=p, max_tokens=max_tokens) for p in prompts]
@@ -54,7 +58,7 @@ def greedy(group, model, tok, prompts, max_tokens):
 
 
 def sample(group, model, tok, n, seed0, temperature):
-    engine = DistributedEngine(model, tok, EngineConfig(num_draft=2, max_batch=64), group=group, dist_timeout=120)
+    engine = DistributedEngine(model, tok, SAMPLED, group=group, dist_timeout=120)
     prompt = [5, 17, 42, 9, 33, 2]
     return run(engine, [[Request(prompt=prompt, max_tokens=3, params=SamplingParams(temperature=temperature, seed=s))
                          for s in range(seed0, seed0 + n)]])
@@ -66,6 +70,7 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", default="[]")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--depths", default="0,1,2,3,4,adaptive")
     ap.add_argument("--n", type=int, default=0)
     ap.add_argument("--seed0", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.5)
@@ -81,7 +86,8 @@ def main():
 
         RankCoordinator.after_cycle = skewed
     if a.job in ("greedy", "disagree"):
-        out = greedy(group, model, tok, json.loads(a.prompts), a.max_tokens)
+        depths = [None if d == "adaptive" else int(d) for d in a.depths.split(",")]
+        out = greedy(group, model, tok, json.loads(a.prompts), a.max_tokens, depths)
     else:
         out = sample(group, model, tok, a.n, a.seed0, a.temperature)
     if group.rank() == 0:

@@ -79,7 +79,7 @@ def oracle_hook(expected: dict, p_correct: float = 0.7, seed: int = 0):
 
 def calibration_calls(monkeypatch) -> list:
     """The batch sizes the engine calibrates cycle costs at, recorded as it goes."""
-    from mlxmtp.engine import calibration
+    from mlxmtp.engine.policy import calibration
 
     calls = []
     measure = calibration.measure_cycle_costs

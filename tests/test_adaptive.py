@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from mlxmtp.engine.adaptive import DepthPolicy
-from mlxmtp.engine.policy import Policy
+from mlxmtp.engine.policy.adaptive import DepthPolicy
+from mlxmtp.engine.policy.base import Policy
 
 
 def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None,
@@ -376,7 +376,7 @@ def test_time_spent_elsewhere_between_steps_is_left_out_when_the_caller_says_so(
 
 
 def test_cycle_costs_are_ratios_of_neighbours_so_speed_jumps_cancel():
-    from mlxmtp.engine.cycle_costs import CycleCosts
+    from mlxmtp.engine.policy.cycle_costs import CycleCosts
 
     true = {0: 1.0, 1: 1.5, 2: 1.8, 3: 2.2}
     costs, cycle = CycleCosts(), 0
@@ -400,7 +400,7 @@ def test_cycle_costs_are_ratios_of_neighbours_so_speed_jumps_cancel():
 
 
 def test_cycle_costs_reconcile_pairs_by_least_squares():
-    from mlxmtp.engine.cycle_costs import CycleCosts
+    from mlxmtp.engine.policy.cycle_costs import CycleCosts
 
     costs, cycle = CycleCosts(), 0
     # (1, 2) measured as 1.2x, (2, 3) as 1.1x, (1, 3) as 1.5x: inconsistent (1.32 vs 1.5)

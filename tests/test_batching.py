@@ -11,7 +11,7 @@ from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.prefix_trie import PrefixTrie
+from mlxmtp.engine.prefix.trie import PrefixTrie
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.mlxlm import adapter

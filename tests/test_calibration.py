@@ -1,4 +1,4 @@
-"""Start-up calibration of cycle costs (engine/calibration.py): the adaptive policy knows
+"""Start-up calibration of cycle costs (engine/policy/calibration.py): the adaptive policy knows
 every depth's cost before its first cycle, skips its calibration blocks, and the cycles
 it times itself still take over. Batch sizes reached later are never calibrated (that
 would hold up every active row): they learn their costs from their own cycles."""
@@ -6,13 +6,13 @@ would hold up every active row): they learn their costs from their own cycles.""
 import pytest
 from engine_helpers import calibration_calls, loaded, prompt_of, reference_greedy
 
-from mlxmtp.engine import adaptive, calibration
-from mlxmtp.engine.adaptive import DepthPolicy
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.cycle_costs import CycleCosts
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.pieces import model_pieces
+from mlxmtp.engine.policy import adaptive, calibration
+from mlxmtp.engine.policy.adaptive import DepthPolicy
+from mlxmtp.engine.policy.cycle_costs import CycleCosts
 from mlxmtp.engine.request import Request
 from mlxmtp.models.load import load
 

@@ -2,9 +2,9 @@
 
 from engine_helpers import loaded, prompt_of
 
-from mlxmtp.engine import adaptive
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
+from mlxmtp.engine.policy import adaptive
 from mlxmtp.engine.sampling import SamplingParams
 
 KNOWN = {adaptive.FIXED, adaptive.NO_ROOM, adaptive.CALIBRATING, adaptive.PROBE, adaptive.BEST, adaptive.HOLDING}

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 from dist_helpers import BIN, WORKER, last_json, mlx_launch, run_worker
+from distributed_worker import SAMPLED
 from engine_helpers import hub_from_folder, loaded, prompt_of, reference_greedy
 
 from mlxmtp.checkpoint.split_plan import layer_split, make_plan
@@ -19,7 +20,7 @@ from mlxmtp.distributed.group import check_same_setup, folder_fingerprint
 from mlxmtp.distributed.shared_policy import SharedPolicy
 from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_seed
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.policy import Policy
+from mlxmtp.engine.policy.base import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling import SamplingParams
 from mlxmtp.models.demo import demo_model_path
@@ -127,18 +128,22 @@ def test_start_up_check_compares_folders_and_settings(tmp_path):
 PROMPTS = [prompt_of(n, seed=n) for n in (5, 23, 61, 140)]
 
 
-def _assert_greedy_matches_mlx_lm(path: str, prompts, max_tokens: int):
-    got = run_worker("greedy", "--model", path, "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens))
+def _assert_greedy_matches_mlx_lm(path: str, prompts, max_tokens: int, depths="0,1,2,3,4,adaptive"):
+    got = run_worker("greedy", "--model", path, "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens),
+                     "--depths", depths)
     _, _, ref = loaded(path)
     want = [reference_greedy(ref, p, max_tokens) for p in prompts]
-    assert len(got["result"]) == 12  # k = 0..4 and adaptive, batch 1 and 4
+    assert len(got["result"]) == 2 * len(depths.split(","))  # each depth at batch 1 and 4
     for setting, tokens in got["result"].items():
         assert tokens == want, setting
 
 
 @pytest.mark.slow
 def test_two_ranks_greedy_equals_mlx_lm_on_the_demo_model():
-    _assert_greedy_matches_mlx_lm(DEMO, PROMPTS, 16)
+    # The fixture families below run every depth on 2 ranks; their random heads' drafts are
+    # rejected, so the trained demo head adds the cycles that keep drafts, at depths 1 and 3
+    # and the adaptive policy's.
+    _assert_greedy_matches_mlx_lm(DEMO, PROMPTS, 16, depths="1,3,adaptive")
 
 
 @pytest.mark.slow
@@ -168,7 +173,7 @@ def test_two_ranks_sample_the_tokens_one_process_samples():
     model, tok = load(DEMO)
     n, temperature = 64, 0.5
     prompt = [5, 17, 42, 9, 33, 2]
-    engine = BatchGenerator(model, tok, EngineConfig(num_draft=2, max_batch=64))
+    engine = BatchGenerator(model, tok, SAMPLED)  # the workers' engine config
     for s in range(n):
         engine.submit(Request(prompt=prompt, max_tokens=3, params=SamplingParams(temperature=temperature, seed=s)))
     want = {}

@@ -122,7 +122,7 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
     from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 
     from mlxmtp.engine.batch import BatchGenerator
-    from mlxmtp.engine.policy import Policy
+    from mlxmtp.engine.policy.base import Policy
     from mlxmtp.engine.proposers.mtp_inputs import FORGET_AFTER
     from mlxmtp.engine.request import Request
 

@@ -22,7 +22,7 @@ from mlxmtp.engine import verify as verify_mod
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
-from mlxmtp.engine.policy import Policy
+from mlxmtp.engine.policy.base import Policy
 from mlxmtp.mlxlm import adapter, gdn_capture
 from mlxmtp.testing.fixtures import FAMILIES
 from mlxmtp.testing.graph_ops import OpCounter

@@ -12,7 +12,7 @@ from mlxmtp.engine import memory
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.pieces import model_pieces
-from mlxmtp.engine.prefix_cache import PrefixCache
+from mlxmtp.engine.prefix.cache import PrefixCache
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import adapter, row_attention
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache

@@ -13,7 +13,7 @@ from test_prefix_cache import found, put
 from transformers import PreTrainedTokenizerBase
 
 from mlxmtp.commands.main import main
-from mlxmtp.engine.prefix_cache import PrefixCache
+from mlxmtp.engine.prefix.cache import PrefixCache
 from mlxmtp.models.load import load
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 

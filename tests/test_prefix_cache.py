@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from mlxmtp.engine.prefix_cache import PrefixCache
+from mlxmtp.engine.prefix.cache import PrefixCache
 
 NO_LOGITS = mx.zeros((0,), dtype=mx.uint8)
 LOGITS = mx.zeros((4,), dtype=mx.uint8)  # 4 bytes

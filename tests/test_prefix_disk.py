@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (engine/prefix_disk.py): entries evicted from memory, and
+"""The prefix cache's disk tier (engine/prefix/disk.py): entries evicted from memory, and
 those held when the engine stops, are written to a folder and loaded back for prompts that
 start with them, also by a new engine (a restarted server), giving the output a fresh
 prefill gives (mlx-lm's own). Files of another model, broken, half-written or changed ones,
@@ -19,12 +19,12 @@ from engine_helpers import loaded, prompt_of, reference_greedy
 from server_helpers import load_bench_module, served_engine
 from test_add_mtp_weights import DEAD_PID
 
-from mlxmtp.engine import prefix_disk
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.build import build_engine
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.coordinator import Coordinator
-from mlxmtp.engine.prefix_folders import MARKER
+from mlxmtp.engine.prefix import disk as prefix_disk
+from mlxmtp.engine.prefix.folders import MARKER
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import adapter
 from mlxmtp.testing.fixtures import write_hf_checkpoint
@@ -89,9 +89,9 @@ def test_a_new_engine_continues_from_the_states_the_last_one_saved(fixture_model
 
 
 def test_only_states_no_other_extends_and_branch_points_are_written(tmp_path):
-    from mlxmtp.engine.prefix_cache import PrefixCache
-    from mlxmtp.engine.prefix_disk import DiskPrefixStore
-    from mlxmtp.engine.prefix_trie import PrefixTrie
+    from mlxmtp.engine.prefix.cache import PrefixCache
+    from mlxmtp.engine.prefix.disk import DiskPrefixStore
+    from mlxmtp.engine.prefix.trie import PrefixTrie
 
     trie = PrefixTrie()
     for key in [(1, 2, 3), (1, 2, 3, 4, 5), (1, 2, 3, 9), (7, 8)]:
@@ -350,7 +350,7 @@ def test_a_store_inside_the_model_folder_keeps_its_fingerprint(fixture_model, tm
 
 def test_a_full_disk_costs_only_the_saving(fixture_model, tmp_path, monkeypatch, caplog):
     """A write that fails (no space left) leaves no file and no entry; serving goes on."""
-    from mlxmtp.engine import prefix_files
+    from mlxmtp.engine.prefix import files as prefix_files
 
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     eng = engine(model, tok, tmp_path, memory=300_000)

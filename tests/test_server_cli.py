@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from mlxmtp.commands.main import main
 from mlxmtp.engine.limits import MAX_DRAFT_DEPTH
-from mlxmtp.engine.prefix_cache import default_budget
+from mlxmtp.engine.prefix.cache import default_budget
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 RUN = "mlxmtp.server.shutdown.run_server"  # serving itself; mocked so nothing blocks

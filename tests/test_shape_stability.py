@@ -14,7 +14,7 @@ from mlxmtp.engine import rejection_sampler
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.compiled_head import CompiledHead
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.policy import Policy
+from mlxmtp.engine.policy.base import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.mlxlm import gdn_capture
 

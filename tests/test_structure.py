@@ -70,5 +70,5 @@ def test_the_allow_list_is_current():
 def test_the_rules_see_the_package():
     # Guards against a path change that would leave the checks above with nothing to read.
     names = {_id(p) for p in SOURCES}
-    assert {"mlxmtp/engine/adaptive.py", "mlxmtp/server/chat.py", "mlxmtp/models/load.py",
+    assert {"mlxmtp/engine/policy/adaptive.py", "mlxmtp/server/chat.py", "mlxmtp/models/load.py",
             "mlxmtp/testing/fixtures.py"} <= names

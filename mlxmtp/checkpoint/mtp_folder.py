@@ -202,7 +202,7 @@ def _staging_pid(path: Path) -> Optional[int]:
 
 def another_process_running(pid: int) -> bool:
     """Whether `pid` is another process that is still running (the writer of a staging
-    name here, or of a prefix cache temporary: engine/prefix_folders.py)."""
+    name here, or of a prefix cache temporary: engine/prefix/folders.py)."""
     if pid == os.getpid():
         return False
     try:

@@ -16,7 +16,7 @@ import zlib
 from typing import List, Optional
 
 from ..engine.coordinator import Coordinator
-from ..engine.policy import Policy
+from ..engine.policy.base import Policy
 from ..engine.scheduler import Inbox
 from .channel import Channel
 from .shared_policy import SharedPolicy

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
-from ..engine.policy import GREEDY, Policy
+from ..engine.policy.base import GREEDY, Policy
 from .channel import Channel
 
 

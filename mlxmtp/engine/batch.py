@@ -28,13 +28,14 @@ from typing import List, Optional, Set
 
 import mlx.core as mx
 
-from . import calibration, cycle, memory, scheduler
+from . import cycle, memory, scheduler
 from .config import EngineConfig
 from .cycle import Cycle
 from .failures import CycleSnapshot, RowFailure
 from .output import emit_cycle
 from .parts import EngineParts, make_parts
 from .pieces import cycle_modes
+from .policy import calibration
 from .prefill import Prefiller
 from .proposers.build import build_proposer
 from .request import Event, Request
@@ -172,7 +173,7 @@ class BatchGenerator:
     # ---------------------------------------------------------------- decode
     def calibrate(self, batch_size: int = 1) -> bool:
         """Measure cycle costs at `batch_size` rows now, if the depth policy has none yet
-        (engine/calibration.py) -> whether it ran. The server does it for one row at start-up;
+        (engine/policy/calibration.py) -> whether it ran. The server does it for one row at start-up;
         later batch sizes learn their costs from their own cycles (DepthPolicy.needs_costs)."""
         if self.pieces.head is None or not self.policy.needs_costs(batch_size):
             return False

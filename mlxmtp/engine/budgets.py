@@ -8,8 +8,9 @@ from dataclasses import replace
 from mlx.utils import tree_flatten
 
 from ..models.mtp_model import MTPModel
-from . import memory, prefix_cache
+from . import memory
 from .config import EngineConfig
+from .prefix import cache as prefix_cache
 
 
 def weights(model) -> list:

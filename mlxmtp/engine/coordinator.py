@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-from .policy import Policy
+from .policy.base import Policy
 
 
 class Coordinator:
     # Whether other processes run this engine in step: their sizes are then agreed, and a
     # part that may skip work on its own (a prefix-cache entry it has no memory to copy)
-    # must not (prefix_cache.py).
+    # must not (prefix/cache.py).
     lockstep = False
 
     def agree(self, nbytes: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, List, Protocol, Set
 
 from .memory import MemoryGuard
-from .prefix_cache import PrefixCache
+from .prefix.cache import PrefixCache
 from .request import Event, Request
 
 

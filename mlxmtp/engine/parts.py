@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Optional
 
 from ..mlxlm import adapter
-from . import budgets, memory, prefix_disk
+from . import budgets, memory
 from .config import EngineConfig
 from .coordinator import Coordinator
 from .pieces import ModelPieces, model_pieces, shared_policy
-from .policy import Policy
-from .prefix_cache import PrefixCache
+from .policy.base import Policy
+from .prefix import disk as prefix_disk
+from .prefix.cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def make_parts(model, config: EngineConfig, coordinator: Optional[Coordinator] =
     # every rank admits and pauses the same rows, so all use rank 0's sizes and budget.
     footprint, room = memory.sizes(pieces, c.memory_bytes, agree)
     disk = None
-    if c.prefix_cache_dir:  # the prefix cache's disk tier (engine/prefix_disk.py)
+    if c.prefix_cache_dir:  # the prefix cache's disk tier (engine/prefix/disk.py)
         disk = prefix_disk.store_for(pieces, model, Path(c.prefix_cache_dir), c.prefix_cache_disk_mb << 20,
                                      cache_bytes, coordinator.lockstep)
     prefix_cache = PrefixCache(cache_bytes, c.prefix_cache_entries, agree=agree,

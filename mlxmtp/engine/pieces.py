@@ -10,8 +10,8 @@ import mlx.core as mx
 from ..mlxlm.family import TextParts, text_parts
 from ..models.mtp_head import MTPHead
 from ..models.mtp_model import MTPModel
-from .adaptive import DepthPolicy
 from .compiled_head import CompiledHead
+from .policy.adaptive import DepthPolicy
 from .proposers.mtp_head import Vocab
 
 

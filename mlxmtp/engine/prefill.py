@@ -32,7 +32,7 @@ from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import emit, failed
 from .pieces import ModelPieces
-from .prefix_cache import PrefixCache
+from .prefix.cache import PrefixCache
 from .proposers.mtp_head import head_pass, pending_array, pending_count
 from .request import Event
 from .state import Batch, Row, prompt_left

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import failed
-from .prefix_cache import PrefixCache
+from .prefix.cache import PrefixCache
 from .proposers.mtp_head import pending_array
 from .request import Event, Request
 from .state import Batch, Row

@@ -15,7 +15,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from ..mlxlm import adapter
-from .policy import GREEDY, REPRODUCIBLE, SAMPLED
+from .policy.base import GREEDY, REPRODUCIBLE, SAMPLED
 from .proposers.mtp_head import Segment
 from .request import Request, RequestStats
 from .sampling import RowSampler

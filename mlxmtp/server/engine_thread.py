@@ -33,7 +33,7 @@ from ..engine.request import Event, Request
 log = logging.getLogger("mlxmtp.server")
 STOP_WAIT = 5.0  # seconds a stopping server waits for the engine thread's step to end
 # Seconds it waits beyond that for the prefix cache to be written to disk (a few GB of a
-# large model's states take seconds; an unfinished file is never used: see prefix_disk.py).
+# large model's states take seconds; an unfinished file is never used: see engine/prefix/disk.py).
 SAVE_TIMEOUT = 300.0
 STARTING_LOG = 30.0  # seconds between the lines saying the engine is still starting
 
@@ -165,7 +165,7 @@ class EngineBridge:
             self.engine.close()  # a distributed engine tells its other ranks
 
     def _prefix_disk(self):
-        """The engine's prefix cache's disk store (engine/prefix_disk.py), or None."""
+        """The engine's prefix cache's disk store (engine/prefix/disk.py), or None."""
         return self.engine.prefix_cache.disk if self.engine is not None else None
 
     def _save_prefix_cache(self) -> None:

@@ -14,7 +14,7 @@ machine's drifting speed cancels (drafting depths never measured are priced by a
 a + b*k through those that were), and `cycle_costs.SwitchCosts` the extra cost of a
 switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
 depths than the chosen one. Plain decoding and k = 1 are measured first, live, in
-alternating blocks; a start-up calibration (engine/calibration.py: the first batch
+alternating blocks; a start-up calibration (engine/policy/calibration.py: the first batch
 bucket only, both kinds) only gives priors, which a live ratio replaces. Until the head's
 first drafts have been tried a few times, drafting goes on wherever it could pay
 (`_learning`): plain decoding chosen on the prior acceptance alone would never learn
@@ -30,11 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
+from ..limits import MAX_DRAFT_DEPTH
 from . import probes
 from .acceptance import Acceptance
+from .base import GREEDY, Policy, cost_kind
 from .cycle_costs import CycleCosts, SwitchCosts
-from .limits import MAX_DRAFT_DEPTH
-from .policy import GREEDY, Policy, cost_kind
 
 
 def _bucket(batch_size: int) -> int:
@@ -97,7 +97,7 @@ class DepthPolicy(Policy):
         self._last_k: Optional[int] = None  # the depth of the previous cycle
 
     def needs_costs(self, batch_size: int) -> bool:
-        """Whether the engine should calibrate cycle costs (engine/calibration.py) before
+        """Whether the engine should calibrate cycle costs (engine/policy/calibration.py) before
         this cycle: an adaptive policy with no cost measured at any batch size yet. Only
         that first batch size is calibrated (the server's, one row, at start-up): a
         calibration holds up every active row for the time of dozens of cycles, so a

@@ -1,4 +1,4 @@
-"""Which files in the prefix cache's folder are the server's (engine/prefix_disk.py keeps them).
+"""Which files in the prefix cache's folder are the server's (engine/prefix/disk.py keeps them).
 
 The folder given (`serve --prefix-cache-dir D`) may hold anything else: notes, another
 tool's files, links. The server deletes, and counts toward the budget, only files it
@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..checkpoint.mtp_folder import another_process_running
+from ...checkpoint.mtp_folder import another_process_running
 
 log = logging.getLogger("mlxmtp")
 

@@ -1,4 +1,4 @@
-"""How one prefix cache entry is laid out in files (engine/prefix_disk.py keeps them).
+"""How one prefix cache entry is laid out in files (engine/prefix/disk.py keeps them).
 
 An entry is `<name>.safetensors`, its arrays by name (written with MLX's own
 `mx.save_safetensors`), and `<name>.json`: its tokens, how to rebuild its caches from the
@@ -23,10 +23,10 @@ from typing import Dict, List, Tuple
 
 import mlx.core as mx
 
-from ..mlxlm.ragged_cache import RaggedKVCache
-from .prefix_cache import PrefixEntry
-from .prefix_folders import remove
-from .prefix_trie import Tokens
+from ...mlxlm.ragged_cache import RaggedKVCache
+from .cache import PrefixEntry
+from .folders import remove
+from .trie import Tokens
 
 # Bump when the layout below changes: the model's fingerprint, and so its folder, changes
 # with it (model_fingerprint), and older files are never read.

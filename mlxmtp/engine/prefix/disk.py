@@ -31,10 +31,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import prefix_check, prefix_files, prefix_folders
-from .prefix_cache import PrefixEntry
-from .prefix_files import model_fingerprint
-from .prefix_trie import PrefixTrie, Tokens
+from . import check as prefix_check
+from . import files as prefix_files
+from . import folders as prefix_folders
+from .cache import PrefixEntry
+from .files import model_fingerprint
+from .trie import PrefixTrie, Tokens
 
 log = logging.getLogger("mlxmtp")
 MIN_FREE_BYTES = 2 << 30  # the least a write leaves free on the disk (see DiskPrefixStore._room_for)

@@ -2,7 +2,7 @@
 
 The engine asks `choose` for each cycle's depth (0 = plain decoding), reports every cycle
 through `update`, and, when `needs_costs` says so, calibrates cycle costs for a batch
-size, greedy and sampled, and hands them to `seed_costs` (engine/calibration.py).
+size, greedy and sampled, and hands them to `seed_costs` (engine/policy/calibration.py).
 `adaptive.DepthPolicy` is the policy the engine uses; tests script others on this base.
 """
 

@@ -47,7 +47,7 @@ class CycleCosts:
         self.measured_at[k] = cycle
 
     def seed(self, seconds: Dict[int, float]) -> None:
-        """Priors from measured `seconds` per cycle (engine/calibration.py): k = 1's ratio to
+        """Priors from measured `seconds` per cycle (engine/policy/calibration.py): k = 1's ratio to
         plain decoding, each deeper depth's to k = 1. A prior prices its pair only until a
         timed cycle measures that pair: one measurement at start-up on a busy machine can be
         off by half, and a live ratio is never outvoted by it. Chained this way, the live

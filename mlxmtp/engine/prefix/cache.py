@@ -32,8 +32,8 @@ from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..mlxlm import adapter
-from .prefix_trie import PrefixTrie, Tokens
+from ...mlxlm import adapter
+from .trie import PrefixTrie, Tokens
 
 log = logging.getLogger("mlxmtp")
 
@@ -77,7 +77,7 @@ class PrefixCache:
         self.agree = agree
         # Bytes the running requests leave it (engine/memory.Room.left), None: max_bytes alone.
         self.room = room
-        # Where evicted entries go, and are loaded back from (engine/prefix_disk.py), or None.
+        # Where evicted entries go, and are loaded back from (engine/prefix/disk.py), or None.
         self.disk = disk
 
     def limit(self) -> int:

@@ -27,12 +27,12 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import mlx.core as mx
 
-from ..mlxlm import adapter, gdn_capture
-from .pieces import ModelPieces
-from .policy import GREEDY, SAMPLED
-from .proposers.mtp_head import chain
-from .sampling import RowSampler, SamplingParams
-from .verify import VerifyMetadata, accept, picker
+from ...mlxlm import adapter, gdn_capture
+from ..pieces import ModelPieces
+from ..proposers.mtp_head import chain
+from ..sampling import RowSampler, SamplingParams
+from ..verify import VerifyMetadata, accept, picker
+from .base import GREEDY, SAMPLED
 
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
 REPS = 5  # timed rounds over every depth, after one untimed round

@@ -1,4 +1,4 @@
-"""What a prefix cache state read from disk must pass to be used (engine/prefix_disk.py).
+"""What a prefix cache state read from disk must pass to be used (engine/prefix/disk.py).
 
 A state is restored only if it is exactly what the server wrote, and of the running model:
 
@@ -22,9 +22,9 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import xxhash
 
-from ..mlxlm import adapter
-from . import prefix_files
-from .prefix_cache import PrefixEntry
+from ...mlxlm import adapter
+from . import files as prefix_files
+from .cache import PrefixEntry
 
 Shapes = Dict[str, Tuple[Tuple[Optional[int], ...], mx.Dtype, bool]]  # see `shapes_of`
 

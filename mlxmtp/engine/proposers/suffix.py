@@ -1,0 +1,79 @@
+"""Suffix drafting as a `Proposer` (issue 44): drafts read off the text itself, no model.
+
+Each row's drafts are what its prompt, its output so far and the engine's recent outputs
+say follows its last tokens (suffix_index.SuffixDrafter: the longest match of the output's
+suffix, its most frequent continuation). A row with no match, or a shorter one than the
+cycle's depth, is padded by repeating its last token: every draft is verified, so padding
+costs acceptance only, never the text.
+
+Model-free, so q is a point mass on each draft (base.point_mass; why rejection sampling
+stays exact with it is in base.py), built only when a row samples. The drafts need the
+emitted tokens on the host: `pipelines` stays False, and the engine then runs drafting
+cycles unpipelined whatever `pipeline_drafts` says.
+
+State, per request id: its drafter and how many of its row's tokens (prompt + output) the
+drafter holds. A row's tokens are indexed as they are emitted (`after_verify`), and again
+before each proposal from the row itself, which also covers a row that was sent back to
+wait and resumed. A request that left the batch hands its output (never its prompt) to the
+shared index of recent outputs and its state is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from ..suffix_index import SharedOutputs, SuffixDrafter
+from .base import Drafts, Picker, Proposer, point_mass
+
+SHARED_TOKENS = 1 << 18  # recent outputs kept for every request to draft from (16 bytes a token)
+
+
+class _RowState:
+    """One request's drafter and how many of its row's tokens it has indexed."""
+
+    def __init__(self, prompt: List[int], shared: Optional[SharedOutputs]):
+        self.drafter = SuffixDrafter(prompt, shared)
+        self.held = len(prompt)
+
+
+class SuffixProposer(Proposer):
+    pipelines = False  # drafts from the emitted tokens, read on the host
+
+    def __init__(self, vocab_size: int, share: bool = True, shared_tokens: int = SHARED_TOKENS):
+        self.vocab_size = vocab_size
+        self.shared = SharedOutputs(shared_tokens) if share else None
+        self.states: Dict[int, _RowState] = {}
+
+    def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
+        self._drop_absent({r.req.id for r in rows})
+        out = []
+        for row in rows:
+            state = self._sync(row)
+            draft = state.drafter.propose(max_len=k).tokens[:k]
+            out.append(draft + [draft[-1] if draft else row.tokens[-1]] * (k - len(draft)))
+        tokens = mx.array(out, dtype=mx.int32)
+        sampled = any(not r.sampler.params.greedy for r in rows)
+        return Drafts(tokens, point_mass(tokens, self.vocab_size) if sampled else None)
+
+    def after_verify(self, batch, cycle, tokens: List[List[int]], consumed: List[int]) -> None:
+        for row in cycle.rows:  # emit_cycle has appended the cycle's tokens to row.tokens
+            if row.req.id in self.states:
+                self._sync(row)
+
+    def _sync(self, row) -> _RowState:
+        """The row's state, holding every token the row has (built on its first proposal)."""
+        state = self.states.get(row.req.id)
+        if state is None:
+            prompt = list(row.req.prompt)
+            state = self.states[row.req.id] = _RowState(prompt, self.shared)
+        if len(row.tokens) > state.held:
+            state.drafter.extend(row.tokens[state.held:])
+            state.held = len(row.tokens)
+        return state
+
+    def _drop_absent(self, present: set) -> None:
+        """Requests no longer in the batch: their outputs go to the shared index."""
+        for rid in [rid for rid in self.states if rid not in present]:
+            self.states.pop(rid).drafter.finish()
