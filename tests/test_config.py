@@ -59,25 +59,25 @@ def test_the_load_options_are_in_the_ranks_agreement():
 # ------------------------------------------------------------------ a new engine option
 # What adding an engine option takes: a field (here added without touching
 # engine/config.py) and its use, where the engine reads self.config.
-Extended = dataclasses.make_dataclass("Extended", [("draft_source", str, dataclasses.field(default="mtp"))],
+Extended = dataclasses.make_dataclass("Extended", [("new_option", str, dataclasses.field(default="off"))],
                                       bases=(EngineConfig,), frozen=True)
 
 
 def test_a_new_field_is_in_the_agreement_without_other_edits():
-    assert setup_digest(Extended(draft_source="suffix")) != setup_digest(Extended())
+    assert setup_digest(Extended(new_option="on")) != setup_digest(Extended())
     assert setup_digest(Extended(num_draft=2)) != setup_digest(Extended())
 
 
 def test_a_new_field_reaches_the_engine_without_other_edits(server_model):
     model, tok = server_model
-    engine = BatchGenerator(model, tok, Extended(num_draft=2, draft_source="suffix"))
-    assert engine.config.draft_source == "suffix" and engine.policy.fixed == 2
+    engine = BatchGenerator(model, tok, Extended(num_draft=2, new_option="on"))
+    assert engine.config.new_option == "on" and engine.policy.fixed == 2
     # The server hands the engine factory the config it was given, as rank 0 and every
     # other rank of a distributed server do (commands/serve.py).
     factory = mock.Mock()
-    app = create_app(model, tok, ServerConfig(), Extended(max_batch=3, draft_source="suffix"), engine_factory=factory)
+    app = create_app(model, tok, ServerConfig(), Extended(max_batch=3, new_option="on"), engine_factory=factory)
     app.state.server.bridge._make_engine()
-    assert factory.call_args.args[2] == Extended(max_batch=3, draft_source="suffix")
+    assert factory.call_args.args[2] == Extended(max_batch=3, new_option="on")
 
 
 # ------------------------------------------------------------------ serve on every rank

@@ -52,14 +52,14 @@ class BatchGenerator:
         c, self.coordinator = parts.settings, parts.coordinator
         self.policy = parts.policy
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
-        self.max_batch = c.max_batch
-        self.acceptance_rule = c.acceptance_rule
+        self.max_batch, self.acceptance_rule = c.max_batch, c.acceptance_rule
         # profile: drafts evaluated on their own, to split device time (for benchmarks).
         self.profile = c.profile
-        self.shape_stable, self.pipeline_drafts = cycle_modes(c.shape_stable, c.pipeline_drafts, c.profile)
         self.pieces = parts.pieces
         # The drafter (None: plain decoding); it reads the policy in use (tests replace it).
         self.proposer = build_proposer(self.pieces, self)
+        pipelines = c.pipeline_drafts and (self.proposer is None or self.proposer.pipelines)
+        self.shape_stable, self.pipeline_drafts = cycle_modes(c.shape_stable, pipelines, c.profile)
         self.vocab_size = self.pieces.parts.args.vocab_size
         self.prefix_cache = parts.prefix_cache
         self.prefiller = Prefiller(self.pieces, self.prefix_cache, c.prefill_step)
@@ -187,7 +187,7 @@ class BatchGenerator:
             if not self.rows:
                 return
         self.calibrate(len(self.rows))
-        k, self.why = cycle.choose_depth(self.policy, self.rows, self.pieces.head is not None)
+        k, self.why = cycle.choose_depth(self.policy, self.rows, self.proposer is not None)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1
         # Pipelined: queued on the device, read in the next step after the next cycle is

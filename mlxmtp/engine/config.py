@@ -16,6 +16,8 @@ from typing import Optional
 
 from .limits import MAX_DRAFT_DEPTH, PREFILL_STEP, PREFIX_DISK_MB
 
+DRAFT_SOURCES = ("mtp", "suffix")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +26,10 @@ class EngineConfig:
     enable_mtp: bool = True
     num_draft: Optional[int] = None
     max_depth: int = MAX_DRAFT_DEPTH
+    # What drafts: "mtp", the model's MTP head (enable_mtp); "suffix", the model-free suffix
+    # drafter (engine/proposers/suffix.py, any model, the head unused), at a fixed depth
+    # (num_draft): the depth policy's calibration times the head's drafts, not its.
+    draft_source: str = "mtp"
     # How sampled drafts are kept (engine/rejection_sampler.py): "exact" (rejection
     # sampling); "argmax" is a wrong rule the tests show they catch.
     acceptance_rule: str = "exact"
@@ -43,8 +49,18 @@ class EngineConfig:
     memory_bytes: Optional[int] = 0
     # How cycles run (engine/pieces.cycle_modes): drafts evaluated on their own to split
     # device time (profile); shape-stable caches (None: on a GPU); pipelined drafting
-    # cycles; the head's and the accept step's compiled graphs.
+    # cycles (drafting cycles only with a drafter that can: not "suffix"); the head's and
+    # the accept step's compiled graphs.
     profile: bool = False
     shape_stable: Optional[bool] = None
     pipeline_drafts: bool = False
     compile_steps: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError for settings no engine runs (checked where an engine is built:
+        the ranks' agreement hashes configs of any value)."""
+        if self.draft_source not in DRAFT_SOURCES:
+            raise ValueError(f"draft_source must be one of {DRAFT_SOURCES}, got {self.draft_source!r}")
+        if self.draft_source == "suffix" and self.num_draft is None:
+            raise ValueError('draft_source="suffix" needs a fixed depth (num_draft): the adaptive '
+                             "policy's calibration measures the MTP head's drafts")

@@ -37,11 +37,13 @@ def make_parts(model, config: EngineConfig, coordinator: Optional[Coordinator] =
     """The parts of an engine of `model` built from `config`; `coordinator`: None for a
     process alone. On a distributed rank the size agreements below are collectives, made in
     this order on every rank."""
+    config.validate()
     coordinator = coordinator or Coordinator()
     c = budgets.resolved(model, config)
-    policy = coordinator.policy(shared_policy(model, c.max_depth, c.num_draft))
-    # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py).
-    pieces = model_pieces(model, c.enable_mtp, c.compile_steps)
+    policy = coordinator.policy(shared_policy(model, c.max_depth, c.num_draft, c.draft_source))
+    # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py). The
+    # suffix drafter leaves the head out: no head caches, passes or memory for it.
+    pieces = model_pieces(model, c.enable_mtp and c.draft_source == "mtp", c.compile_steps)
     adapter.prepare_model(pieces.parts.text_model)
     agree = coordinator.agreement()
     # Every rank keeps and evicts the same entries, so all use rank 0's budget (each rank's

@@ -42,13 +42,14 @@ def model_pieces(model, enable_mtp: bool, compile_steps: bool = False) -> ModelP
     return ModelPieces(parts, head, vocab, hidden_state, compile_steps)
 
 
-def shared_policy(model, max_depth: int, num_draft: Optional[int]) -> DepthPolicy:
+def shared_policy(model, max_depth: int, num_draft: Optional[int], source: str = "mtp") -> DepthPolicy:
     """The depth policy for these settings, shared by every engine of the model.
 
     Costs and acceptance belong to the model on this machine, not to one engine: engines
-    of the same model (e.g. successive `generate` calls) share what was learnt."""
+    of the same model (e.g. successive `generate` calls) share what was learnt, per draft
+    source (each drafter's acceptance is its own)."""
     policies = model.policies if isinstance(model, MTPModel) else None
-    key = (max_depth, num_draft)
+    key = (max_depth, num_draft, source)
     if policies is not None and key in policies:
         return policies[key]
     policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)

@@ -1,0 +1,86 @@
+"""The model-free suffix drafter behind the engine's `Proposer` interface
+(engine/proposers/suffix.py, issue 44): greedy output stays mlx-lm's while its drafts are
+kept on text that repeats itself, sampled rows run with q a point mass (the statistics of
+that are test_proposer's point-mass test), and the config refuses what it cannot run."""
+
+import dataclasses
+
+import pytest
+from engine_helpers import loaded, prompt_of, reference_greedy
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
+from mlxmtp.engine.proposers.suffix import SuffixProposer
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling import SamplingParams
+
+N = 24  # tokens per request
+
+
+def _run(eng, reqs, join_at):
+    """Decode `reqs`, each submitted when join_at(step, ids of the requests finished) says ->
+    (tokens per request, stats per request)."""
+    got, stats = {r.id: [] for r in reqs}, {}
+    waiting, steps = list(reqs), 0
+    while waiting or eng.has_work:
+        for r in [r for r in waiting if join_at(r, steps, set(stats))]:
+            eng.submit(r)
+            waiting.remove(r)
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+            if ev.stats is not None:
+                stats[ev.request_id] = ev.stats
+        steps += 1
+    return [got[r.id] for r in reqs], [stats[r.id] for r in reqs]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_suffix_drafts_give_mlx_lm_greedy_output(fixture_model, k):
+    """Two rows joining at different times, then a third asking what the first asked: the
+    fixture model copies nothing from its prompt, so it is the earlier output, in the
+    shared index, that its drafts are kept from."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompts = [prompt_of(6, seed=1) * 3, prompt_of(9, seed=2), prompt_of(6, seed=1) * 3]
+    want = [reference_greedy(ref, p, N) for p in prompts]
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, draft_source="suffix"))
+    assert isinstance(eng.proposer, SuffixProposer) and eng.pieces.head is None
+    reqs = [Request(prompt=p, max_tokens=N) for p in prompts]
+    schedule = {reqs[0].id: lambda steps, done: True, reqs[1].id: lambda steps, done: steps >= 3,
+                reqs[2].id: lambda steps, done: reqs[0].id in done}
+    got, stats = _run(eng, reqs, lambda r, steps, done: schedule[r.id](steps, done))
+    assert got == want
+    assert all(s.drafted > 0 for s in stats)
+    assert stats[2].accepted >= (N - 4) // (k + 1)  # most of the repeated output was drafted
+    # Requests gone from the batch by the last proposal: their state dropped, their outputs
+    # in the shared index (the last to finish is dropped at the next proposal).
+    assert set(eng.proposer.states) <= {reqs[2].id}
+    assert eng.proposer.shared.tokens == 2 * N
+
+
+def test_sampled_rows_draft_with_a_point_mass(fixture_model):
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, draft_source="suffix"))
+    reqs = [Request(prompt=prompt_of(8, seed=3), max_tokens=N, params=SamplingParams(temperature=0.7, seed=s))
+            for s in (1, 2)] + [Request(prompt=prompt_of(8, seed=3), max_tokens=N)]
+    got, stats = _run(eng, reqs, lambda r, steps, done: r is not reqs[1] or steps >= 2)
+    assert [len(g) for g in got] == [N] * 3
+    assert all(0 <= t < eng.vocab_size for g in got for t in g)
+    assert all(s.drafted > 0 for s in stats)
+
+
+def test_pipelined_drafting_is_off_for_a_drafter_that_cannot(fixture_model):
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2, draft_source="suffix", pipeline_drafts=True))
+    assert not eng.pipeline_drafts and not eng.proposer.pipelines
+
+
+def test_the_config_refuses_what_no_engine_runs(fixture_model):
+    EngineConfig(num_draft=2, draft_source="suffix").validate()
+    EngineConfig().validate()
+    with pytest.raises(ValueError, match="draft_source must be one of"):
+        EngineConfig(draft_source="ngram").validate()
+    with pytest.raises(ValueError, match="fixed depth"):
+        EngineConfig(draft_source="suffix").validate()
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    with pytest.raises(ValueError, match="fixed depth"):  # checked where the engine is built
+        BatchGenerator(model, tok, dataclasses.replace(EngineConfig(), draft_source="suffix"))
