@@ -48,11 +48,6 @@ class Drafts(NamedTuple):
     logprobs: Optional[mx.array]
 
 
-def no_drafts(B: int) -> Drafts:
-    """What a plain cycle (k = 0) verifies: no drafts."""
-    return Drafts(mx.zeros((B, 0), dtype=mx.int32), None)
-
-
 def point_mass(tokens: mx.array, vocab_size: int) -> mx.array:
     """q for drafts proposed outright: tokens [B, k] -> log-probabilities [B, k, V], 0 at
     each draft token and -inf elsewhere (see the module docstring for why it is exact)."""
