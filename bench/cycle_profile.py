@@ -29,7 +29,7 @@ from mlxmtp.engine import cycle
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
@@ -92,18 +92,16 @@ def host_device_split(model, sizes=(1, 2, 3, 4, 5), context=128, reps=20):
     out = {}
     for T in sizes:
         with OpCounter() as ops:
-            mx.eval(adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)[0], *adapter.cache_arrays(cache))
-        for c in adapter.attention_caches(cache):
-            c.trim_rows([T])
+            mx.eval(adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)[0], *cache.arrays())
+        cache.trim_rows([T])
         build, run = [], []
         for _ in range(reps + 2):
             t0 = time.perf_counter()
             logits, _ = adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)
             t1 = time.perf_counter()
-            mx.eval(logits, *adapter.cache_arrays(cache))
+            mx.eval(logits, *cache.arrays())
             t2 = time.perf_counter()
-            for c in adapter.attention_caches(cache):
-                c.trim_rows([T])
+            cache.trim_rows([T])
             build.append(t1 - t0)
             run.append(t2 - t1)
         out[T] = (1e3 * statistics.median(build[2:]), 1e3 * statistics.median(run[2:]), ops.kernels)

@@ -35,7 +35,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.mlxlm import adapter
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
@@ -69,10 +69,9 @@ def forward_costs(model, sizes, context=128, reps=20):
     def timed(T):
         t0 = time.perf_counter()
         logits, _ = adapter.forward(parts, mx.zeros((1, T), mx.int32), cache)
-        mx.eval(logits, *adapter.cache_arrays(cache))
+        mx.eval(logits, *cache.arrays())
         dt = time.perf_counter() - t0
-        for c in adapter.attention_caches(cache):
-            c.trim_rows([T])
+        cache.trim_rows([T])
         return dt
 
     return paired_ratios(timed, lambda T: timed(1), sizes, reps)

@@ -33,7 +33,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.models.load import load
 from mlxmtp.testing.graph_ops import OpCounter
 
@@ -99,7 +99,7 @@ def run_setting(model, tok, prompts, n, temp, options):
 BATCH_PARAMS = [("temperature 0.7", {"temperature": 0.7}),
                 ("temperature 0.7, top_p 0.95, top_k 20", {"temperature": 0.7, "top_p": 0.95, "top_k": 20}),
                 ("temperature 0.7, repetition_penalty 1.1", {"temperature": 0.7, "repetition_penalty": 1.1}),
-                # a seeded request as the server makes it (engine/seeded.py)
+                # a seeded request as the server makes it (engine/sampling/seeded.py)
                 ("temperature 0.7, reproducible seed", {"temperature": 0.7, "reproducible": True})]
 
 

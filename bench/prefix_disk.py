@@ -30,6 +30,7 @@ from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.prefix.cache import PrefixEntry
 from mlxmtp.engine.prefix.disk import DiskPrefixStore
 from mlxmtp.engine.request import Request
+from mlxmtp.mlxlm.model_cache import ModelCache
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
@@ -96,7 +97,7 @@ def qwen35_27b_state(tokens: int):
     """A PrefixEntry of Qwen3.5-27B's shapes after `tokens` tokens (random bf16 KV, float32
     Gated DeltaNet states): 16 attention layers of 4 KV heads of 256 (64 KiB a token), 48
     Gated DeltaNet layers (48 value heads of 128 x 128)."""
-    layers = []
+    layers = ModelCache()
     for i in range(64):
         if i % 4 == 3:
             c = RaggedKVCache(1)
@@ -107,8 +108,8 @@ def qwen35_27b_state(tokens: int):
             c = ArraysCache(2)
             c.cache = [mx.random.normal((1, 3, 10240)).astype(mx.bfloat16), mx.random.normal((1, 48, 128, 128))]
             layers.append(c)
-    mx.eval(*[a for c in layers for a in ([c.keys, c.values] if isinstance(c, RaggedKVCache) else c.cache)])
-    nbytes = sum(c.nbytes for c in layers)
+    mx.eval(*layers.arrays())
+    nbytes = layers.nbytes
     return PrefixEntry(tuple(range(tokens)), layers, None, None, [], mx.zeros((0,)), nbytes)
 
 

@@ -24,7 +24,7 @@ from decode import PROMPT, model_path
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.mlxlm import adapter, row_attention
+from mlxmtp.mlxlm import row_attention
 from mlxmtp.models.load import load
 
 NEVER_SPLIT = 1 << 60
@@ -93,7 +93,7 @@ def main():
         eng = decoding_batch(model, tok, rows, depth, tokens, args.shape_stable or None)
         grouped, padded = measure(eng, args.windows, args.steps)
         ratios = [g / p for g, p in zip(grouped, padded)]
-        groups = adapter.attention_caches(eng.batch.cache)[0]._plan_groups(1) if eng.batch.cache else None
+        groups = eng.batch.cache.attention()[0]._plan_groups(1) if eng.batch.cache else None
         name = "MTP off" if depth == 0 else f"k={depth}"
         print(f"| {name} | {statistics.median(grouped):.1f} | {statistics.median(padded):.1f} | "
               f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f} | "

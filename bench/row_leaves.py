@@ -24,7 +24,6 @@ from decode import PROMPT, model_path
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.mlxlm import adapter
 from mlxmtp.models.load import load
 
 
@@ -42,7 +41,7 @@ def short_row_speed(model, tok, short, long, k, tokens):
         if t0 is None and eng.rows and len(eng.rows) == 1 and eng.rows[0].req.id == req.id and not eng.waiting:
             mx.synchronize()
             t0 = time.perf_counter()
-            cap = adapter.attention_caches(eng.batch.cache)[0].keys.shape[2]
+            cap = eng.batch.cache.attention()[0].keys.shape[2]
             continue
         if t0 is not None:
             got += sum(len(e.token_ids) for e in events if e.request_id == req.id)

@@ -5,7 +5,7 @@ depends on the values).
 
 A small model's cycle on a GPU is bound by kernel launches, so the number of operations a
 step builds is its cost there, whatever the arithmetic: the engine's sampled steps are
-vectorised over the rows for that (verify.accept, verify.picker).
+vectorised over the rows for that (sampling/batch.py: BatchSampling).
 
     python bench/sampling_ops.py [--vocab 151936] [--reps 50]
 """
@@ -20,8 +20,9 @@ import time
 
 import mlx.core as mx
 
-from mlxmtp.engine.sampling import RowSampler, SamplingParams
-from mlxmtp.engine.verify import VerifyMetadata, accept, picker
+from mlxmtp.engine.sampling.accept import VerifyMetadata, accept, picker
+from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.engine.sampling.row import RowSampler
 
 DEPTH = 3
 

@@ -1,5 +1,5 @@
 """What a seed costs a sampled request: drafts kept by rejection sampling (no seed) against
-drafts kept under shared noise (a seed: engine/seeded.py, the same text at every depth).
+drafts kept under shared noise (a seed: engine/sampling/seeded.py, the same text at every depth).
 
     python bench/seeded_acceptance.py [--model PATH] [--temps 0.6,1.0] [--depth 3] [--seeds 4]
 
@@ -15,7 +15,7 @@ import statistics
 
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
 

@@ -23,7 +23,7 @@ from decode import PROMPTS, interleaved, model_path
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.models.load import load
 from mlxmtp.server.structured_output import grammar_for, grammar_processor, serve_tokenizer
 

@@ -51,7 +51,7 @@ def verify_forward(model, context, shape_stable):
     cache = adapter.make_cache(parts, 1)
     mx.eval(adapter.forward(parts, mx.zeros((1, context), mx.int32), cache)[0])
     if shape_stable:
-        adapter.fix_shapes(cache, 2)
+        cache.fix_shapes(2)
 
     def run(T):
         t0 = time.perf_counter()
@@ -61,10 +61,9 @@ def verify_forward(model, context, shape_stable):
                 logits, hidden = adapter.forward(parts, tokens, cache)
         else:
             logits, hidden = adapter.forward(parts, tokens, cache)
-        mx.eval(logits, hidden, *adapter.cache_arrays(cache))
+        mx.eval(logits, hidden, *cache.arrays())
         dt = time.perf_counter() - t0
-        for c in adapter.attention_caches(cache):
-            c.trim_rows([T])
+        cache.trim_rows([T])
         return dt
 
     return run

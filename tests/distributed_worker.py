@@ -1,7 +1,9 @@
 """Run under `mlx.launch --backend ring -n 2` by tests/test_distributed.py: every rank loads
 its share of MODEL and runs the distributed engine; rank 0 prints one JSON object.
 
-  greedy: for each of DEPTHS (k = 0..4 and adaptive), batch 1 and 4: the tokens of PROMPTS
+  greedy: for each of DEPTHS (k = 0..4 and adaptive), batch 1 and 4: the tokens of PROMPTS;
+          with JOBS (a JSON list of {model, prompts, max_tokens, depths}), each job in turn
+          on the ranks of one launch
   sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
   disagree: as greedy, but rank 1 pretends to have decoded something else (a machine whose
             logits differ): the run must stop, not go on
@@ -16,7 +18,7 @@ from mlxmtp.distributed.group import launched_group
 from mlxmtp.distributed.load import load_on_rank
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 
 # The 2-rank sampling test's engine (test_distributed.py builds the one-process one alike):
 # its prefix cache gives every request after the first the shared prompt's state.
@@ -67,7 +69,8 @@ def sample(group, model, tok, n, seed0, temperature):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("job", choices=["greedy", "sample", "disagree"])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--jobs", default="[]")
     ap.add_argument("--prompts", default="[]")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--depths", default="0,1,2,3,4,adaptive")
@@ -76,7 +79,6 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.5)
     a = ap.parse_args()
     group = launched_group()
-    model, tok, plan = load_on_rank(group, a.model, EngineConfig())
     if a.job == "disagree" and group.rank() == 1:
         after_cycle = RankCoordinator.after_cycle
 
@@ -85,14 +87,20 @@ def main():
             self.digest ^= 1
 
         RankCoordinator.after_cycle = skewed
-    if a.job in ("greedy", "disagree"):
-        depths = [None if d == "adaptive" else int(d) for d in a.depths.split(",")]
-        out = greedy(group, model, tok, json.loads(a.prompts), a.max_tokens, depths)
-    else:
-        out = sample(group, model, tok, a.n, a.seed0, a.temperature)
+    jobs = json.loads(a.jobs) or [dict(model=a.model, prompts=json.loads(a.prompts), max_tokens=a.max_tokens,
+                                       depths=a.depths)]
+    results, layers = [], []
+    for job in jobs:
+        model, tok, plan = load_on_rank(group, job["model"], EngineConfig())
+        layers.append([r.layers for r in plan.ranks])
+        if a.job in ("greedy", "disagree"):
+            depths = [None if d == "adaptive" else int(d) for d in job["depths"].split(",")]
+            results.append(greedy(group, model, tok, job["prompts"], job["max_tokens"], depths))
+        else:
+            results.append(sample(group, model, tok, a.n, a.seed0, a.temperature))
     if group.rank() == 0:
-        print(json.dumps({"result": out, "layers": [r.layers for r in plan.ranks]}), flush=True)
-
+        result = results if a.jobs != "[]" else results[0]
+        print(json.dumps({"result": result, "layers": layers if a.jobs != "[]" else layers[0]}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -315,7 +315,7 @@ def test_a_temperature_or_top_p_too_small_for_float32_decodes_greedily(server, n
 
 
 def test_tiny_temperatures_are_greedy_and_small_ones_are_not():
-    from mlxmtp.engine.sampling import SamplingParams
+    from mlxmtp.engine.sampling.params import SamplingParams
 
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0.7, top_p=1e-6).greedy
     assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=0.7, top_p=1e-5).greedy

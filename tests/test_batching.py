@@ -13,8 +13,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.prefix.trie import PrefixTrie
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
-from mlxmtp.mlxlm import adapter
+from mlxmtp.engine.sampling.params import SamplingParams
 
 
 def run_schedule(eng, schedule, hook_expected=None, cancel_at=None):
@@ -221,9 +220,9 @@ def test_prompts_that_branch_off_a_shared_prefix_store_the_branch_point(fixture_
     _run_one(alone, system, 1)
     expected = alone.prefix_cache.entries[tuple(system)]
     assert stored.pend_t == expected.pend_t == []
-    pairs = list(zip(adapter.cache_arrays(stored.cache), adapter.cache_arrays(expected.cache)))
+    pairs = list(zip(stored.cache.arrays(), expected.cache.arrays()))
     if mtp:
-        pairs += zip(adapter.cache_arrays(stored.head_cache), adapter.cache_arrays(expected.head_cache))
+        pairs += zip(stored.head_cache.arrays(), expected.head_cache.arrays())
         pairs.append((stored.pend_h, expected.pend_h))
     for got, want in pairs:
         assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4).item()

@@ -5,7 +5,7 @@ from engine_helpers import loaded, prompt_of
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.policy import adaptive
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 
 KNOWN = {adaptive.FIXED, adaptive.NO_ROOM, adaptive.CALIBRATING, adaptive.PROBE, adaptive.BEST, adaptive.HOLDING}
 

@@ -22,7 +22,7 @@ from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_see
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.policy.base import Policy
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.server.thinking_budget import budget_processor
 from mlxmtp.testing.fixtures import write_hf_checkpoint
@@ -128,28 +128,21 @@ def test_start_up_check_compares_folders_and_settings(tmp_path):
 PROMPTS = [prompt_of(n, seed=n) for n in (5, 23, 61, 140)]
 
 
-def _assert_greedy_matches_mlx_lm(path: str, prompts, max_tokens: int, depths="0,1,2,3,4,adaptive"):
-    got = run_worker("greedy", "--model", path, "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens),
-                     "--depths", depths)
-    _, _, ref = loaded(path)
-    want = [reference_greedy(ref, p, max_tokens) for p in prompts]
-    assert len(got["result"]) == 2 * len(depths.split(","))  # each depth at batch 1 and 4
-    for setting, tokens in got["result"].items():
-        assert tokens == want, setting
-
-
 @pytest.mark.slow
-def test_two_ranks_greedy_equals_mlx_lm_on_the_demo_model():
-    # The fixture families below run every depth on 2 ranks; their random heads' drafts are
-    # rejected, so the trained demo head adds the cycles that keep drafts, at depths 1 and 3
-    # and the adaptive policy's.
-    _assert_greedy_matches_mlx_lm(DEMO, PROMPTS, 16, depths="1,3,adaptive")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_6_moe"])
-def test_two_ranks_greedy_equals_mlx_lm_on_fixture_families(family, fixture_model):
-    _assert_greedy_matches_mlx_lm(str(fixture_model(family)["hf"]), PROMPTS[:3], 10)
+def test_two_ranks_greedy_equals_mlx_lm(fixture_model):
+    """One launch, three models: two fixture families (one MoE) at every depth, whose random
+    heads' drafts are rejected, and the trained demo model, whose head adds the cycles that
+    keep drafts, at depths 1 and 3 and the adaptive policy's; each at batch 1 and 4."""
+    jobs = [dict(model=str(fixture_model(f)["hf"]), prompts=PROMPTS[:3], max_tokens=10, depths="0,1,2,3,4,adaptive")
+            for f in ("qwen3_next", "qwen3_6_moe")]
+    jobs.append(dict(model=DEMO, prompts=PROMPTS, max_tokens=16, depths="1,3,adaptive"))
+    got = run_worker("greedy", "--jobs", json.dumps(jobs))
+    for job, result in zip(jobs, got["result"], strict=True):
+        _, _, ref = loaded(job["model"])
+        want = [reference_greedy(ref, p, job["max_tokens"]) for p in job["prompts"]]
+        assert len(result) == 2 * len(job["depths"].split(","))  # each depth at batch 1 and 4
+        for setting, tokens in result.items():
+            assert tokens == want, (job["model"], setting)
 
 
 @pytest.mark.slow

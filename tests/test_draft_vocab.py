@@ -19,9 +19,10 @@ from mlxmtp.convert.add_mtp_weights import add_mtp_weights
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
-from mlxmtp.engine.rejection_sampler import accept_sampled
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import RowSampler, SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.engine.sampling.rejection import accept_sampled
+from mlxmtp.engine.sampling.row import RowSampler
 from mlxmtp.models import draft_vocab as dv
 from mlxmtp.models.errors import MTPLoadError
 from mlxmtp.models.load import load

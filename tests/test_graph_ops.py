@@ -18,11 +18,11 @@ from engine_helpers import loaded, prompt_of
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxmtp.engine import verify as verify_mod
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.policy.base import Policy
+from mlxmtp.engine.sampling import rejection
 from mlxmtp.mlxlm import adapter, gdn_capture
 from mlxmtp.testing.fixtures import FAMILIES
 from mlxmtp.testing.graph_ops import OpCounter
@@ -107,7 +107,7 @@ def test_verify_evaluates_what_mlx_lm_forward_does(fixture_model, family, shape_
     cache = adapter.make_cache(model.parts, 1)
     mx.eval(adapter.forward(model.parts, prompt, cache)[0])
     if shape_stable:
-        adapter.fix_shapes(cache, 2)
+        cache.fix_shapes(2)
     for T in range(2, 6):
         tokens = mx.array([prompt_of(T, seed=T)])
         with OpCounter() as ops:
@@ -115,16 +115,15 @@ def test_verify_evaluates_what_mlx_lm_forward_does(fixture_model, family, shape_
         theirs = ops.kernels
         with OpCounter() as ops, gdn_capture.record():
             logits, _ = adapter.forward(model.parts, tokens, cache)
-            kept, picked = verify_mod.rules("exact", False)[0](logits, tokens[:, 1:])
-            mx.eval(kept, picked, *adapter.cache_arrays(cache))
+            kept, picked = rejection.rules("exact", False)[0](logits, tokens[:, 1:])
+            mx.eval(kept, picked, *cache.arrays())
         # The acceptance (argmax, compare, count) and the masked write of shape-stable
         # caches add a handful of operations to a forward of several hundred.
         assert ops.kernels <= theirs + 10, (T, ops.kernels, theirs)
         for c in theirs_cache:
             if c.is_trimmable():
                 c.trim(T)
-        for c in adapter.attention_caches(cache):
-            c.trim_rows([T])
+        cache.trim_rows([T])
 
 
 @pytest.mark.slow
@@ -134,7 +133,7 @@ def test_a_thinking_budget_far_from_reached_costs_nothing(fixture_model, k):
     # untouched until the budget is near. Till then the row takes the paths of a row with
     # no processor (vectorised, pipelined), with the same tokens and the same operations.
     from mlxmtp.engine.generate import stream_generate
-    from mlxmtp.engine.sampling import SamplingParams
+    from mlxmtp.engine.sampling.params import SamplingParams
     from mlxmtp.server.thinking_budget import budget_processor
 
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))

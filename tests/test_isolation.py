@@ -8,7 +8,7 @@ from engine_helpers import loaded, oracle_hook, prompt_of, reference_greedy
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 
 
 def failing_after(n_calls: int):

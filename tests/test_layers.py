@@ -66,7 +66,7 @@ def test_models_never_import_convert(path):
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_the_lowest_layers_import_no_other_layer(path):
     """The checkpoint formats and the mlx-lm boundary import nothing else of mlxmtp."""
-    own = f"mlxmtp.{path.parent.name}"
+    own = f"mlxmtp.{path.relative_to(PACKAGE).parts[0]}"
     bad = [(n, line) for n, line, _ in _imports(path) if _reaches(n, "mlxmtp") and not _reaches(n, own)]
     assert not bad, f"{path.name} imports above its layer: {bad}"
 

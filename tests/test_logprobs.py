@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 
 
 def reference_logprobs(ref_model, prompt, n):

@@ -14,14 +14,14 @@ from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.pieces import model_pieces
 from mlxmtp.engine.prefix.cache import PrefixCache
 from mlxmtp.engine.request import Request
-from mlxmtp.mlxlm import adapter, row_attention
+from mlxmtp.mlxlm import row_attention
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 
 
 def held_bytes(eng) -> int:
     """What the engine's caches hold now: the batch, rows mid-prefill, the prefix cache."""
     caches = [eng.cache, eng.head_cache] + [c for r in eng.waiting for c in (r.cache, r.head_cache)]
-    return sum(adapter.cache_nbytes(c) for c in caches if c) + eng.prefix_cache.bytes
+    return sum(c.nbytes for c in caches if c) + eng.prefix_cache.bytes
 
 
 def run(eng, requests, expected=None):

@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from mlxmtp.engine.prefix.cache import PrefixCache
+from mlxmtp.mlxlm.model_cache import ModelCache
 
 NO_LOGITS = mx.zeros((0,), dtype=mx.uint8)
 LOGITS = mx.zeros((4,), dtype=mx.uint8)  # 4 bytes
@@ -18,7 +19,7 @@ LOGITS = mx.zeros((4,), dtype=mx.uint8)  # 4 bytes
 def state(nbytes):
     c = ArraysCache(1)
     c.cache = [mx.zeros((nbytes,), dtype=mx.uint8)]
-    return [c]
+    return ModelCache([c])
 
 
 def put(pc, tokens, nbytes=10, logits=NO_LOGITS):
@@ -75,7 +76,7 @@ def test_an_entry_stored_from_a_view_owns_only_its_part():
     c.cache = [big[3:4]]
     gc.collect()
     before = mx.get_active_memory()
-    pc.store([1, 2], [c], None, None, [], NO_LOGITS)
+    pc.store([1, 2], ModelCache([c]), None, None, [], NO_LOGITS)
     del big, c
     gc.collect()
     assert before - mx.get_active_memory() >= 7 << 20  # the other 7 rows are gone
@@ -168,12 +169,10 @@ def _common(a, b) -> int:
 def test_a_state_that_cannot_be_copied_is_skipped(monkeypatch):
     """The cache only saves work: a failed copy (e.g. no memory) stores nothing and raises
     nothing, except on a distributed engine, whose ranks must hold the same entries."""
-    from mlxmtp.mlxlm import adapter
-
     def no_memory(cache):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(adapter, "owned_copy", no_memory)
+    monkeypatch.setattr(ModelCache, "owned_copy", no_memory)
     pc = PrefixCache(1 << 20)
     put(pc, (1, 2, 3))
     assert pc.bytes == 0 and not pc.entries and found(pc, [1, 2, 3, 4]) is None

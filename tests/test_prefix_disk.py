@@ -26,7 +26,6 @@ from mlxmtp.engine.coordinator import Coordinator
 from mlxmtp.engine.prefix import disk as prefix_disk
 from mlxmtp.engine.prefix.folders import MARKER
 from mlxmtp.engine.request import Request
-from mlxmtp.mlxlm import adapter
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
 
@@ -468,7 +467,7 @@ def test_only_what_the_server_wrote_is_ever_deleted(fixture_model, tmp_path, cap
 def _forged(state, change: str):
     """`state` with one array of another shape or dtype, or without one (as another model's
     state, or a file made to pass its index's checksums, would be)."""
-    cache, head = adapter.copy_cache(state.cache), adapter.copy_cache(state.head_cache)
+    cache, head = state.cache.copy(), state.head_cache.copy()
     gdn, kv = cache[0].cache, cache[3]  # the fixture's layer 0 is Gated DeltaNet, layer 3 attention
     if change == "recurrent state":
         gdn[1] = gdn[1][..., :8]

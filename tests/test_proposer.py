@@ -12,8 +12,8 @@ from engine_helpers import loaded, prompt_of, reference_greedy
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.proposers.base import Drafts, Proposer, point_mass
-from mlxmtp.engine.rejection_sampler import accept_sampled_rows
 from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling.rejection import accept_sampled_rows
 
 N = 24  # tokens per request: enough cycles at every depth, fast on the fixture model
 

@@ -1,5 +1,5 @@
 """A seeded request gives the same text whatever the draft depth, the batch and the
-pipelining, and the same as with MTP off (engine/seeded.py); its tokens are still
+pipelining, and the same as with MTP off (engine/sampling/seeded.py); its tokens are still
 samples of the model's distribution."""
 
 import pytest
@@ -11,7 +11,7 @@ from mlxmtp.engine import memory
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.mlxlm.ragged_cache import RaggedKVCache
 from mlxmtp.models.demo import demo_model_path
 
@@ -43,11 +43,11 @@ def _run(model, tok, requests, hook_expected=None, max_batch=8, **options):
 
 
 def _outputs(eng, requests, hook_expected=None):
-    """Each request's tokens, run to the end on `eng` (the first one's drafts forced to
-    `hook_expected` with some wrong, when given)."""
+    """Each request's tokens, run to the end on `eng` (the drafts of the first
+    len(hook_expected) forced to those outputs with some wrong, when given)."""
     ids = [eng.submit(r) for r in requests]
     if hook_expected is not None:
-        eng.draft_hook = oracle_hook({ids[0]: hook_expected}, p_correct=0.6, seed=3)
+        eng.draft_hook = oracle_hook(dict(zip(ids, hook_expected)), p_correct=0.6, seed=3)
     out = {i: [] for i in ids}
     while eng.has_work:
         for ev in eng.step():
@@ -66,21 +66,25 @@ ARMS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("settings", list(SETTINGS))
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-def test_a_seeded_request_gives_the_same_text_at_every_depth_and_in_any_batch(fixture_model, family, settings):
+def test_seeded_requests_give_the_same_text_at_every_depth_and_in_any_batch(fixture_model, family):
+    """Each kind of seeded row (SETTINGS) alone, and the three in one batch with rows of
+    every other kind (_others), at every arm: the text is plain decoding's."""
     model, tok, _ = loaded(str(fixture_model(family)["hf"]))
-    plain = _run(model, tok, [_mine(settings)], enable_mtp=False)[0]
-    assert len(plain) == 40
+    plain = [_run(model, tok, [_mine(s)], enable_mtp=False)[0] for s in SETTINGS]
+    assert all(len(text) == 40 for text in plain)
+
+    def batch():
+        return [*(_mine(s) for s in SETTINGS), *_others()]
+
     for name, options in ARMS.items():
-        alone = _run(model, tok, [_mine(settings)], **options)[0]
-        batched = _run(model, tok, [_mine(settings), *_others()], **options)[0]
-        assert alone == plain and batched == plain, name
+        for s, want in zip(SETTINGS, plain):
+            assert _run(model, tok, [_mine(s)], **options)[0] == want, (name, s)
+        assert _run(model, tok, batch(), **options)[:3] == plain, name
     # Drafts right 60% of the time (the head of a random fixture is rarely right), so
     # every acceptance length and rollback occurs.
-    forced = _run(model, tok, [_mine(settings), *_others()], hook_expected=plain, enable_mtp=True, num_draft=3)[0]
-    assert forced == plain
-    assert _run(model, tok, [_mine(settings, seed=12)], enable_mtp=False)[0] != plain
+    assert _run(model, tok, batch(), hook_expected=plain, enable_mtp=True, num_draft=3)[:3] == plain
+    assert _run(model, tok, [_mine("temperature", seed=12)], enable_mtp=False)[0] != plain[0]
 
 
 @pytest.mark.slow
@@ -152,13 +156,13 @@ def test_seeded_tokens_are_samples_of_the_model_s_distribution(fixture_model):
 def test_reproducible_rows_build_no_rejection_sampling(fixture_model, monkeypatch, settings):
     """Rejection sampling's random numbers are built only where a row is decided by it: a
     batch of reproducible rows (and greedy ones) makes none, and still gives MTP off's text."""
-    from mlxmtp.engine import verify
+    from mlxmtp.engine.sampling import batch as sampling_batch
 
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     plain = _run(model, tok, [_mine(settings)], enable_mtp=False)[0]
     calls = []
-    real = verify.rows_noise
-    monkeypatch.setattr(verify, "rows_noise", lambda *a: calls.append(1) or real(*a))
+    real = sampling_batch.rows_noise
+    monkeypatch.setattr(sampling_batch, "rows_noise", lambda *a: calls.append(1) or real(*a))
     greedy = Request(prompt=prompt_of(5, seed=1), max_tokens=30)
     assert _run(model, tok, [_mine(settings), greedy], enable_mtp=True, num_draft=3)[0] == plain
     assert not calls

@@ -10,9 +10,10 @@ import pytest
 
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.rejection_sampler import accept_sampled
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import RowSampler, SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.engine.sampling.rejection import accept_sampled
+from mlxmtp.engine.sampling.row import RowSampler
 from mlxmtp.models.load import load
 from mlxmtp.testing.fixtures import write_hf_checkpoint
 
@@ -98,18 +99,18 @@ class OracleDraftEngine(BatchGenerator):
     shows; a draft distribution close to the target's is what real heads give and what
     makes a biased rule visible. The engine's acceptance path is unchanged."""
 
-    def _picker(self, rows):
+    def _picker(self, sampling):
         def pick(step, logits, so_far):
             toks, qs = [], []
-            for b, r in enumerate(rows):
-                q = self._draft_logprobs(r, r.tokens + so_far[b].tolist())
-                toks.append(mx.random.categorical(q, key=r.sampler.next_key())[0])
+            for b, (sampler, tokens) in enumerate(zip(sampling.samplers, sampling.contexts)):
+                q = self._draft_logprobs(sampler, tokens + so_far[b].tolist())
+                toks.append(mx.random.categorical(q, key=sampler.next_key())[0])
                 qs.append(q[0])
             return mx.stack(toks), mx.stack(qs)
 
         return pick
 
-    def _draft_logprobs(self, row, context):
+    def _draft_logprobs(self, sampler, context):
         """log q for `context`, each context's computed once: p depends on the context and
         the sampling parameters alone, which every row of one engine shares (only the seeds
         differ). The tests' rows share one short prompt, so a few hundred contexts serve
@@ -118,7 +119,7 @@ class OracleDraftEngine(BatchGenerator):
         if tuple(context) not in memo:
             ctx = mx.array(context, dtype=mx.int32)
             target = self.model(ctx[None])[0, -1:]
-            p = mx.exp(row.sampler.logprobs(row.sampler.process(target, [ctx])))
+            p = mx.exp(sampler.logprobs(sampler.process(target, [ctx])))
             memo[tuple(context)] = mx.log(0.8 * p + 0.2 / p.shape[-1])
         return memo[tuple(context)]
 
@@ -188,7 +189,7 @@ def test_engine_catches_biased_acceptance_rule(tiny_vocab_model, plain_samples):
 def test_engine_sampling_with_filters_and_penalty(tiny_vocab_model, penalty):
     """top-k / top-p / repetition penalty are applied to p and q alike: with a processor
     each row is decided on its own, without one the filtered rows in groups
-    (sampling.filter_groups)."""
+    (BatchSampling.filter_groups)."""
     model, tok = tiny_vocab_model
     params = dict(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=penalty)
     n = 600
@@ -202,7 +203,7 @@ def test_vectorised_accept_equals_each_row_alone():
     """accept_sampled_rows decides S rows at once exactly as accept_sampled does each row
     with its own key (a row's random numbers come from its key alone); its compiled graph
     decides them alike."""
-    from mlxmtp.engine.rejection_sampler import (
+    from mlxmtp.engine.sampling.rejection import (
         accept_sampled_rows,
         compiled_accept_sampled_rows,
         row_noise,
@@ -232,7 +233,7 @@ def test_vectorised_rows_decide_as_row_by_row(k):
     drafts and decides exactly as the row-by-row path does (the path a batch takes when a
     row has a logits processor; an identity processor forces it here): the same drafts,
     the same q of every sampled row, the same kept counts and tokens, from float16 logits."""
-    from mlxmtp.engine.verify import VerifyMetadata, accept, picker
+    from mlxmtp.engine.sampling.accept import VerifyMetadata, accept, picker
 
     settings = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_p=0.7, top_k=40),
                 dict(temperature=0.8, top_p=0.7, top_k=40), dict(temperature=1.2, min_p=0.05),
@@ -299,7 +300,7 @@ def test_a_seeded_sampled_row_draws_the_same_alone_or_in_any_batch(tiny_vocab_mo
 @pytest.mark.parametrize("which", ["float32 fixture", "float16 demo"])
 def test_a_seeded_filtered_row_draws_the_same_alone_or_in_any_batch(tiny_vocab_model, num_draft, which):
     """The same for a row with top-p and top-k (decided with the other rows of its group of
-    equal settings, sampling.filter_groups): alone, in a batch of greedy, temperature-only
+    equal settings, BatchSampling.filter_groups): alone, in a batch of greedy, temperature-only
     and other filtered rows and a row of its own settings, and in a batch with a row
     that has a logits processor (decided row by row). On a float16 model too, whose
     filtered log-probabilities are float16."""
@@ -338,7 +339,7 @@ def _graph_nodes(*arrays) -> int:
 
 def _pick_and_accept_nodes(params, k=3, V=500):
     """Graph nodes of one draft pick and of one accept step (depth k) for rows of `params`."""
-    from mlxmtp.engine.verify import VerifyMetadata, accept, picker
+    from mlxmtp.engine.sampling.accept import VerifyMetadata, accept, picker
 
     B = len(params)
     samplers = [RowSampler(p) for p in params]
@@ -366,7 +367,7 @@ def test_a_batch_of_sampled_rows_is_drafted_and_decided_by_one_set_of_ops():
 
 def test_a_batch_of_filtered_rows_is_drafted_and_decided_by_one_set_of_ops():
     """Rows with top-p / top-k that share their settings are filtered by one call for all
-    of them (sampling.filter_groups): eight such rows build about as many operations as
+    of them (BatchSampling.filter_groups): eight such rows build about as many operations as
     one, a second group of other settings about one set more (row by row, eight rows
     built eight times the operations of one)."""
     def nodes(B, groups=1):

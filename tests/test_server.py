@@ -162,7 +162,7 @@ def test_logprobs_carry_each_token_s_own_bytes_and_offsets(oai, server):
 
 
 def test_sampling_params_and_seed(oai):
-    # Same seed, same output, whatever depth the request is drafted at (engine/seeded.py):
+    # Same seed, same output, whatever depth the request is drafted at (engine/sampling/seeded.py):
     # MTP off, pinned depths and the adaptive policy's own choice.
     kw = dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.2)
     opts = {"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1}

@@ -18,7 +18,7 @@ from server_helpers import served_engine
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.server.structured_output import grammar_for, grammar_processor, serve_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok", "tags"],

@@ -12,7 +12,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.proposers.suffix import SuffixProposer
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 
 N = 24  # tokens per request
 

@@ -24,7 +24,7 @@ from test_tool_grammar import PARAMS, TOOLS, valid
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
-from mlxmtp.engine.sampling import SamplingParams
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.server import call_hold, structured_output, tool_grammar
 from mlxmtp.server.tool_parsers import parse_tool_call
 

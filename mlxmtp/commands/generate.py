@@ -9,7 +9,13 @@ import time
 import click
 
 from ..engine.config import EngineConfig
-from .options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
+from .options import (
+    ADAPTER_PATH,
+    drafting_options,
+    refused_options,
+    sampling_range,
+    tokenizer_options,
+)
 
 # The options that set SamplingParams' fields (its errors name the field first).
 SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
@@ -20,10 +26,10 @@ SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top
 @click.option("--model", default=None, help="Model folder or Hugging Face repo id (default: the demo model, mlxmtp-demo).")
 @click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--temp", default=0.0, show_default=True, type=sampling_range("temperature"))
+@click.option("--top-p", default=1.0, show_default=True, type=sampling_range("top_p"))
+@click.option("--top-k", default=0, show_default=True, type=sampling_range("top_k", click.IntRange))
+@click.option("--min-p", default=0.0, show_default=True, type=sampling_range("min_p"))
 @click.option("--seed", default=None, type=int)
 @click.option("--enable-mtp/--disable-mtp", default=True, show_default=True)
 @drafting_options
@@ -43,7 +49,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
     """Generate a completion for the --prompt text (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
-    from ..engine.sampling import SamplingParams
+    from ..engine.sampling.params import SamplingParams
 
     if prompt == "-":
         prompt = sys.stdin.read()

@@ -7,6 +7,15 @@ from __future__ import annotations
 import click
 
 from ..engine.limits import MAX_DRAFT_DEPTH
+from ..engine.sampling.params import RANGES
+
+
+def sampling_range(name: str, kind=click.FloatRange):
+    """The click type of a sampling option: `kind` over the engine's range of the field
+    `name` (engine/sampling/params.py), checked before the model loads."""
+    rule = RANGES[name]
+    return kind(rule.low, rule.high, min_open=rule.low_open, max_open=rule.high_open)
+
 
 _DRAFTING = [
     click.option("--num-draft", "--num-draft-tokens", "num_draft", default=None,

@@ -14,7 +14,13 @@ from ..engine.config import EngineConfig
 from ..engine.limits import PREFILL_STEP, PREFIX_DISK_MB
 from ..server.config import ServerConfig
 from . import serve_options
-from .options import ADAPTER_PATH, drafting_options, refused_options, tokenizer_options
+from .options import (
+    ADAPTER_PATH,
+    drafting_options,
+    refused_options,
+    sampling_range,
+    tokenizer_options,
+)
 
 log = logging.getLogger("mlxmtp.server")
 
@@ -88,13 +94,13 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--dist-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Under mlx.launch: seconds a step may wait on the other ranks; past it the requests in "
                    "flight fail and the server exits non-zero.")
-@click.option("--temp", default=None, type=click.FloatRange(min=0),
+@click.option("--temp", default=None, type=sampling_range("temperature"),
               help="Temperature of requests that set none (default: the model's generation_config.json, else 0).")
-@click.option("--top-p", default=None, type=click.FloatRange(0, 1, min_open=True),
+@click.option("--top-p", default=None, type=sampling_range("top_p"),
               help="top_p of requests that set none (default: generation_config.json, else 1).")
-@click.option("--top-k", default=None, type=click.IntRange(min=0),
+@click.option("--top-k", default=None, type=sampling_range("top_k", click.IntRange),
               help="top_k of requests that set none (default: generation_config.json, else 0: off).")
-@click.option("--min-p", default=None, type=click.FloatRange(0, 1),
+@click.option("--min-p", default=None, type=sampling_range("min_p"),
               help="min_p of requests that set none (default: generation_config.json, else 0: off).")
 @click.option("--chat-template", default=None, callback=lambda ctx, param, value: serve_options.chat_template(value),
               help="A Jinja chat template, or a file holding one, used instead of the model's own.")

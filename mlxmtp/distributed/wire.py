@@ -16,7 +16,7 @@ import secrets
 from typing import Callable, List
 
 from ..engine.request import Request
-from ..engine.sampling import SamplingParams
+from ..engine.sampling.params import SamplingParams
 
 _PARAMS = [f.name for f in dataclasses.fields(SamplingParams) if f.name != "logits_processors"]
 

@@ -6,7 +6,7 @@ Every `step()`:
      when its first token is out (prefill.py);
   3. runs one decode cycle for all active rows together (cycle.py): the drafter proposes k
      drafts per row (proposers/), the main model verifies every row's k+1 tokens in
-     ONE forward, each row keeps its own number of drafts (verify.py), its tokens become
+     ONE forward, each row keeps its own number of drafts (sampling/), its tokens become
      text and events (output.py), and every cache is rolled back to what each row kept.
 
 One host synchronisation per cycle: drafts, verify and acceptance are built lazily and
@@ -39,9 +39,9 @@ from .policy import calibration
 from .prefill import Prefiller
 from .proposers.build import build_proposer
 from .request import Event, Request
+from .sampling.batch import BatchSampling
 from .state import Batch, Row, new_row, to_resume
 from .timing import CycleClock
-from .verify import draft_picker
 
 
 class BatchGenerator:
@@ -53,8 +53,7 @@ class BatchGenerator:
         self.policy = parts.policy
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
         self.max_batch, self.acceptance_rule = c.max_batch, c.acceptance_rule
-        # profile: drafts evaluated on their own, to split device time (for benchmarks).
-        self.profile = c.profile
+        self.profile = c.profile  # drafts evaluated on their own, to split device time (for benchmarks)
         self.pieces = parts.pieces
         # The drafter (None: plain decoding); it reads the policy in use (tests replace it).
         self.proposer = build_proposer(self.pieces, self)
@@ -245,21 +244,22 @@ class BatchGenerator:
     def _launch(self, k: int, after: Optional[Cycle] = None) -> Cycle:
         """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily;
         `after`: the previous cycle, still unread (pipelined), or None."""
-        if k > 0 and after is not None:
-            return cycle.launch_after(self.pieces, self.batch, after, k, self.proposer,
-                                      self._picker(list(self.rows)), self.draft_hook, self.acceptance_rule)
-        t0 = time.perf_counter()
         rows = list(self.rows)
+        sampling = BatchSampling.for_rows(rows)  # decided once: the drafts and the accept step read it
+        if k > 0 and after is not None:
+            return cycle.launch_after(self.pieces, self.batch, after, k, self.proposer, self._picker(sampling),
+                                      self.draft_hook, self.acceptance_rule, sampling)
+        t0 = time.perf_counter()
         ys = cycle.first_inputs(rows, after)
-        drafts, q = self._propose(rows, k)
+        drafts, q = self._propose(rows, k, sampling)
         return cycle.verify(self.pieces, self.cache, rows, ys, drafts, q, self.acceptance_rule, t0,
-                            after is not None)
+                            after is not None, sampling)
 
-    def _propose(self, rows: List[Row], k: int):
+    def _propose(self, rows: List[Row], k: int, sampling: BatchSampling):
         """k drafts per row -> (drafts [B, k], the q log-probs [B, k, V] or None: all greedy)."""
         if k == 0:
             return mx.zeros((len(rows), 0), dtype=mx.int32), None
-        drafts, q = self.proposer.propose(self.batch, rows, k, self._picker(rows))
+        drafts, q = self.proposer.propose(self.batch, rows, k, self._picker(sampling))
         if self.draft_hook is not None:
             drafts = self.draft_hook(rows, drafts, None)
         if self.profile:
@@ -269,9 +269,9 @@ class BatchGenerator:
             mx.async_eval(drafts, *([q] if q is not None else []))
         return drafts, q
 
-    def _picker(self, rows: List[Row]):
-        """How each draft of `rows` is decided (a test overrides it to draft from chosen q)."""
-        return draft_picker(rows)
+    def _picker(self, sampling: BatchSampling):
+        """How each draft of the cycle is decided (a test overrides it to draft from chosen q)."""
+        return sampling.pick
 
     def _read(self, rec: Cycle):
         """The cycle's results on the host, shown to the coordinator (ranks check they agree)."""

@@ -70,7 +70,7 @@ def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .batch import BatchGenerator
     from .generate import stream_generate
-    from .sampling import SamplingParams
+    from .sampling.params import SamplingParams
 
     stats: dict = {}
     # Built before the clock starts: a server builds its engine once.

@@ -25,7 +25,8 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..mlxlm.ragged_cache import RaggedKVCache, mask_from_ends, write_at_ends
+from ..mlxlm.model_cache import ModelCache
+from ..mlxlm.ragged_cache import mask_from_ends, write_at_ends
 from ..models.mtp_head import MTPHead
 
 
@@ -54,18 +55,14 @@ class CompiledHead:
     def layers(self):
         return self.head.layers
 
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[List] = None,
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[ModelCache] = None,
                  mask=None) -> mx.array:
         T = embeddings.shape[1]
-        if mask is not None or not _compilable(cache, T):
+        if mask is not None or cache is None or not cache.shape_stable(T):
             return self.head(embeddings, hidden, cache, mask)
-        for c in cache:
-            c.reserve(T)
-        kv = [x for c in cache for x in (c.keys, c.values)]
-        out, new_kv = self._step(embeddings, hidden, [c.ends() for c in cache], kv)
-        for i, c in enumerate(cache):
-            c.keys, c.values = new_kv[2 * i], new_kv[2 * i + 1]
-            c.lengths = [n + T for n in c.lengths]
+        ends, kv = cache.buffers(T)
+        out, new_kv = self._step(embeddings, hidden, ends, kv)
+        cache.take_buffers(new_kv, T)
         return out
 
     def _pure_step(self, embeddings: mx.array, hidden: mx.array, ends: List[mx.array], kv: List[mx.array]):
@@ -75,7 +72,3 @@ class CompiledHead:
         out = self.head(embeddings, hidden, caches, mask)
         return out, [x for c in caches for x in (c.keys, c.values)]
 
-
-def _compilable(cache: Optional[List], T: int) -> bool:
-    return bool(cache) and all(isinstance(c, RaggedKVCache) and c.keys is not None and c.fixed_shape(T)
-                               for c in cache)

@@ -30,7 +30,7 @@ class EngineConfig:
     # drafter (engine/proposers/suffix.py, any model, the head unused), at a fixed depth
     # (num_draft): the depth policy's calibration times the head's drafts, not its.
     draft_source: str = "mtp"
-    # How sampled drafts are kept (engine/rejection_sampler.py): "exact" (rejection
+    # How sampled drafts are kept (engine/sampling/rejection.py): "exact" (rejection
     # sampling); "argmax" is a wrong rule the tests show they catch.
     acceptance_rule: str = "exact"
     # Requests decoded together (more wait), and prompt tokens a prefill chunk takes.

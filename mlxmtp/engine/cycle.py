@@ -25,9 +25,11 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 
 from ..mlxlm import adapter, gdn_capture
+from ..mlxlm.model_cache import ModelCache
 from .pieces import ModelPieces
+from .sampling.accept import VerifyMetadata, accept
+from .sampling.batch import BatchSampling
 from .state import Batch, Row, acceptance_classes
-from .verify import VerifyMetadata, accept
 
 
 @dataclass
@@ -38,7 +40,7 @@ class Cycle:
     k: int
     kept: mx.array  # [B] drafts kept per row
     tokens: mx.array  # [B, k+1]; row b emits tokens[b, : kept[b] + 1]
-    lps: Optional[mx.array]  # [B, k+1, 1 + 2n] logprob tables (see verify.logprob_table), or None
+    lps: Optional[mx.array]  # [B, k+1, 1 + 2n] logprob tables (see sampling/logprobs.py), or None
     hidden: mx.array  # [B, k+1, H] head inputs
     records: list  # Gated DeltaNet per-position states of the verify
     t0: float
@@ -82,9 +84,10 @@ def wait_for_drafts(drafts: mx.array, q: Optional[mx.array]) -> float:
     return time.perf_counter() - t
 
 
-def verify(pieces: ModelPieces, cache: list, rows: List[Row], ys: mx.array, drafts: mx.array,
-           q: Optional[mx.array], rule: str, t0: float, pipelined: bool) -> Cycle:
-    """Build the verify forward over [ys, drafts] ([B, k+1]) and the acceptance, lazily."""
+def verify(pieces: ModelPieces, cache: ModelCache, rows: List[Row], ys: mx.array, drafts: mx.array,
+           q: Optional[mx.array], rule: str, t0: float, pipelined: bool, sampling: BatchSampling) -> Cycle:
+    """Build the verify forward over [ys, drafts] ([B, k+1]) and the acceptance, lazily;
+    `sampling`: the cycle's, which its drafts were picked with."""
     k = drafts.shape[1]
     records = []
     if k > 0:
@@ -94,7 +97,7 @@ def verify(pieces: ModelPieces, cache: list, rows: List[Row], ys: mx.array, draf
         records = rec.layers
     else:
         logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
-    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled), logits)
+    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled, sampling), logits)
     return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined)
 
 
@@ -104,7 +107,7 @@ def evaluate(rec: Cycle, batch: Batch) -> None:
     # lazy would bill this cycle's cost to the next one (and skew the depth policy).
     rec.built, rec.synchronous = time.perf_counter(), True
     mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
-            *adapter.cache_arrays(batch.cache), *(adapter.cache_arrays(batch.head_cache) if batch.head_cache else []))
+            *batch.cache.arrays(), *(batch.head_cache.arrays() if batch.head_cache else []))
     rec.computed = time.perf_counter()
 
 
@@ -124,11 +127,11 @@ def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
 def roll_back(rec: Cycle, batch: Batch, consumed: List[int]) -> None:
     """Roll the main model's caches back to exactly the tokens each row consumed (y plus the
     kept drafts); the drafter's state is the proposer's (Proposer.after_verify)."""
-    adapter.commit(batch.cache, rec.records, consumed, rec.k + 1)
+    batch.cache.commit(rec.records, consumed, rec.k + 1)
 
 
 def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, proposer, pick, hook,
-                 rule: str) -> Cycle:
+                 rule: str, sampling: BatchSampling) -> Cycle:
     """Build a drafting cycle of depth k on top of `prev` (a drafting cycle not read yet):
     prev's rollback (attention trims deferred, Gated DeltaNet states from its kept counts),
     the proposer's drafts from prev's unread results (Proposer.propose_unread), the verify
@@ -137,16 +140,16 @@ def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, propose
     t0 = time.perf_counter()
     B = len(prev.rows)
     consumed = prev.kept + 1
-    adapter.commit_unread(batch.cache, prev.records, consumed, prev.k + 1)
+    batch.cache.commit_unread(prev.records, consumed, prev.k + 1)
     ys = prev.tokens[mx.arange(B), prev.kept][:, None]
     drafts, q = proposer.propose_unread(batch, prev, k, pick)
     if hook is not None:
         drafts = hook(prev.rows, drafts, consumed)
-    return verify(pieces, batch.cache, prev.rows, ys, drafts, q, rule, t0, True)
+    return verify(pieces, batch.cache, prev.rows, ys, drafts, q, rule, t0, True, sampling)
 
 
 def settle(prev: Cycle, batch: Batch, proposer, kept: List[int]) -> None:
     """prev was rolled back by the cycle built after it (launch_after): now that its kept
     counts are read, settle the trims that cycle deferred (the main model's, the drafter's)."""
-    adapter.settle(batch.cache, [prev.k - n for n in kept])
+    batch.cache.settle([prev.k - n for n in kept])
     proposer.settle(batch, prev, kept)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import List, Optional
 
-from ..mlxlm.adapter import ArraysCache, RaggedKVCache
+from ..mlxlm.model_cache import ModelCache
 
 
 class RowFailure(Exception):
@@ -40,27 +40,15 @@ def blame(request_id: int):
 
 class CycleSnapshot:
     """What building one decode cycle changes, taken before it: restoring it undoes the
-    build (nothing has been read from the device yet).
+    build (nothing has been read from the device yet). The caches' part is theirs
+    (ModelCache.snapshot); samplers advance their keys (and reproducible ones their positions)."""
 
-    Attention caches only move their per-row ends, settled or deferred (slots past an end
-    are overwritten by the next write); Gated DeltaNet caches replace their state arrays, which are
-    immutable, so keeping references is enough; samplers advance their keys (and reproducible ones their positions)."""
-
-    def __init__(self, caches: List[Optional[list]], samplers: list):
-        self._lengths = []
-        self._states = []
-        for cache in caches:
-            for c in cache or []:
-                if isinstance(c, RaggedKVCache):
-                    self._lengths.append((c, list(c.lengths), list(c.deferred)))
-                elif isinstance(c, ArraysCache):
-                    self._states.append((c, list(c.cache)))
+    def __init__(self, caches: List[Optional[ModelCache]], samplers: list):
+        self._caches = [(c, c.snapshot()) for c in caches if c is not None]
         self._keys = [(s, s.key, s.position) for s in samplers]
 
     def restore(self) -> None:
-        for c, lengths, deferred in self._lengths:
-            c.lengths, c.deferred = lengths, deferred
-        for c, state in self._states:
-            c.cache = state
+        for cache, snapshot in self._caches:
+            cache.restore(snapshot)
         for sampler, key, position in self._keys:
             sampler.key, sampler.position = key, position

@@ -9,7 +9,7 @@ from .build import build_engine
 from .config import EngineConfig
 from .interface import Engine
 from .request import Event, Request, RequestStats
-from .sampling import SamplingParams
+from .sampling.params import SamplingParams
 
 
 @dataclass

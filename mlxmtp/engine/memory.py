@@ -62,23 +62,13 @@ def measure(pieces) -> Footprint:
     """The caches of one row of `pieces` (engine.pieces.ModelPieces), from their shapes."""
     cache = adapter.make_cache(pieces.parts, 1)
     adapter.forward(pieces.parts, mx.zeros((1, 1), dtype=mx.int32), cache, pieces.hidden_state)
-    per_position, per_row = _sizes(cache)
+    per_position, per_row = cache.footprint()
     if pieces.head is not None:
         # The head's layers are decoder layers of the model's own attention shape.
-        attention = [c for c in cache if isinstance(c, RaggedKVCache)]
+        attention = len(cache.attention())
         if attention:
-            per_position += per_position // len(attention) * len(adapter.make_head_cache(pieces.head, 1))
+            per_position += per_position // attention * len(adapter.make_head_cache(pieces.head, 1))
     return Footprint(per_position, per_row)
-
-
-def _sizes(cache: list):
-    per_position = per_row = 0
-    for c in cache:
-        if isinstance(c, RaggedKVCache):
-            per_position += (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
-        else:
-            per_row += sum(a.nbytes for a in c.cache if a is not None)
-    return per_position, per_row
 
 
 def device_limit() -> int:

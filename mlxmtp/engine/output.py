@@ -45,7 +45,7 @@ def emit(row: Row, tokens: List[int], events: List[Event], tables=None) -> int:
     """Append tokens to a row and queue its event. Returns 0 while the row goes on, else
     how many of `tokens` it consumed before finishing (the rest are never emitted).
 
-    `tables`: the tokens' logprob tables (verify.logprob_table), None for the first token
+    `tables`: the tokens' logprob tables (sampling/logprobs.py), None for the first token
     (its table is in row.first_lp)."""
     out, reason, hit = _append(row, tokens)
     stops = row.req.stop
@@ -112,7 +112,7 @@ def _find_stop(text: str, stops: List[str], start: int = 0) -> Optional[Tuple[in
 
 
 def logprob_entry(token: int, table: list, top_n: int) -> dict:
-    """One emitted token's row of a verify.logprob_table -> {"token", "logprob", "top": [(id, lp)]};
+    """One emitted token's row of a logprob table (sampling/logprobs.py) -> {"token", "logprob", "top": [(id, lp)]};
     tokens a processor ruled out (-inf: a grammar's refused ones) are not among the top."""
     width = (len(table) - 1) // 2
     ids, values = table[1 : 1 + width], table[1 + width :]

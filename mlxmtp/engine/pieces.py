@@ -27,7 +27,7 @@ class ModelPieces:
 def model_pieces(model, enable_mtp: bool, compile_steps: bool = False) -> ModelPieces:
     """An MTPModel (models.load) brings its head; a plain mlx-lm model runs without.
     `compile_steps`: run the head's shape-stable steps (compiled_head.py) and the accept
-    step (verify.accept) as compiled graphs."""
+    step (sampling/accept.py) as compiled graphs."""
     if isinstance(model, MTPModel):
         parts, head, hidden_state, vocab = model.parts, model.head, model.hidden_state, model.vocab
     else:

@@ -35,8 +35,8 @@ from .pieces import ModelPieces
 from .prefix.cache import PrefixCache
 from .proposers.mtp_head import head_pass, pending_array, pending_count
 from .request import Event
+from .sampling.accept import sample_first
 from .state import Batch, Row, prompt_left
-from .verify import sample_first
 
 
 class Prefiller:
@@ -143,8 +143,8 @@ class Prefiller:
         """The row's own caches: from the longest stored prefix of its prompt, or empty."""
         entry = self.prefix_cache.lookup(row.prompt) if self.prefix_cache.max_bytes > 0 else None
         if entry is not None and (self.pieces.head is None) == (entry.head_cache is None):
-            row.cache = adapter.copy_cache(entry.cache)
-            row.head_cache = adapter.copy_cache(entry.head_cache) if entry.head_cache is not None else None
+            row.cache = entry.cache.copy()
+            row.head_cache = entry.head_cache.copy() if entry.head_cache is not None else None
             row.pend = [] if entry.pend_h is None else [(entry.pend_h, None, entry.pend_h.shape[0])]
             row.pend_t = list(entry.pend_t)
             row.done_prompt = len(entry.tokens)
@@ -193,6 +193,6 @@ class Prefiller:
             if n:
                 _, rest = head_pass(p.head, p.vocab, row.head_cache, [row.pend], [row.pend_t], [n])
                 row.pend, row.pend_t = rest[0], []
-        mx.eval(*([logits] if logits_needed else []), *adapter.cache_arrays(row.cache),
-                *(adapter.cache_arrays(row.head_cache) if row.head_cache else []), *[a for a, _, _ in row.pend])
+        mx.eval(*([logits] if logits_needed else []), *row.cache.arrays(),
+                *(row.head_cache.arrays() if row.head_cache else []), *[a for a, _, _ in row.pend])
         return logits

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .limits import MAX_DRAFT_DEPTH, MAX_TOP_LOGPROBS
-from .sampling import SamplingParams
+from .sampling.params import SamplingParams
 
 _ids = itertools.count(1)
 

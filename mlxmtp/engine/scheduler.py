@@ -15,7 +15,6 @@ from typing import Callable, List, Optional, Set, Tuple
 
 import mlx.core as mx
 
-from ..mlxlm import adapter
 from .failures import RowFailure, blame
 from .output import failed
 from .prefix.cache import PrefixCache
@@ -122,8 +121,8 @@ def _store_row(prefix_cache: PrefixCache, batch: Batch, b: int, fed_last: Option
     each row's last token) is given, else after all but the last."""
     row = batch.rows[b]
     with_head = batch.head_cache is not None
-    cache = adapter.extract_cache(batch.cache, b)
-    head_cache = adapter.extract_cache(batch.head_cache, b) if with_head else None
+    cache = batch.cache.extract_row(b)
+    head_cache = batch.head_cache.extract_row(b) if with_head else None
     unfed = 0 if fed_last is not None else 1
     pend_t = row.pend_t[: len(row.pend_t) - unfed] if with_head else []
     pend_h = pending_array(row.pend) if with_head else None

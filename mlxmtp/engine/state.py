@@ -14,11 +14,11 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ..mlxlm import adapter
+from ..mlxlm.model_cache import ModelCache
 from .policy.base import GREEDY, REPRODUCIBLE, SAMPLED
 from .proposers.mtp_head import Segment
 from .request import Request, RequestStats
-from .sampling import RowSampler
+from .sampling.row import RowSampler
 
 
 @dataclass
@@ -41,14 +41,14 @@ class Row:
     pend: List[Segment] = field(default_factory=list)
     pend_t: List[int] = field(default_factory=list)
     # Prefill-only state (B=1) until the row joins the batch.
-    cache: Optional[list] = None
-    head_cache: Optional[list] = None
+    cache: Optional[ModelCache] = None
+    head_cache: Optional[ModelCache] = None
     done_prompt: int = 0  # prompt tokens already fed
     resuming: bool = False  # sent back to wait (engine/memory.py): its prefill emits no first token
     checkpoints: List[int] = field(default_factory=list)  # prefill stops at each to store its state (see prefill)
     t0: float = 0.0  # when its prefill started
     last_logits: Optional[mx.array] = None  # [V] after the prompt's last token
-    first_lp: Optional[list] = None  # the first token's logprob table row (see verify.logprob_table)
+    first_lp: Optional[list] = None  # the first token's logprob table row (see sampling/logprobs.py)
 
 
 def new_row(req: Request, tokenizer) -> Row:
@@ -76,7 +76,7 @@ def to_resume(row: Row) -> Row:
 def acceptance_classes(rows: List[Row]) -> List[str]:
     # Greedy rows keep a draft only if it is the argmax; sampled rows by rejection sampling,
     # which keeps far more deep drafts; reproducible rows while drafts equal the target's
-    # token under shared noise (engine/seeded.py): the depth policy learns them apart.
+    # token under shared noise (engine/sampling/seeded.py): the depth policy learns them apart.
     return [GREEDY if r.sampler.params.greedy else REPRODUCIBLE if r.sampler.reproducible else SAMPLED
             for r in rows]
 
@@ -86,8 +86,8 @@ class Batch:
 
     def __init__(self, shape_stable: bool, head_width: int = 0):
         self.rows: List[Row] = []
-        self.cache: Optional[list] = None
-        self.head_cache: Optional[list] = None
+        self.cache: Optional[ModelCache] = None
+        self.head_cache: Optional[ModelCache] = None
         self.shape_stable = shape_stable
         # Shape-stable mode: the head passes of drafting cycles are padded to this many
         # queries (the deepest verify's width), one shape whatever each row kept.
@@ -101,13 +101,13 @@ class Batch:
             # position or prompt length never makes a new shape; plain decoding (one token)
             # keeps mlx-lm's own attention call.
             if self.shape_stable:
-                adapter.fix_shapes(self.cache, 2)
+                self.cache.fix_shapes(2)
                 if self.head_cache is not None:
-                    adapter.fix_shapes(self.head_cache, 1)
+                    self.head_cache.fix_shapes(1)
         else:
-            adapter.extend_cache(self.cache, row.cache)
+            self.cache.extend_rows(row.cache)
             if self.head_cache is not None:
-                adapter.extend_cache(self.head_cache, row.head_cache)
+                self.head_cache.extend_rows(row.head_cache)
         row.cache = row.head_cache = None
         self.rows.append(row)
 
@@ -120,7 +120,7 @@ class Batch:
         if not keep:
             self.cache = self.head_cache = None
             return keep
-        adapter.filter_cache(self.cache, keep)
+        self.cache.filter_rows(keep)
         if self.head_cache is not None:
-            adapter.filter_cache(self.head_cache, keep)
+            self.head_cache.filter_rows(keep)
         return keep

@@ -1,9 +1,13 @@
 """Everything mlxmtp takes from mlx-lm, in one package: no other module of mlxmtp imports
 mlx-lm (mlxmtp/testing may still call its converter to build fixtures).
 
-- family.py: which Qwen family a checkpoint is, where its parts live in the mlx-lm model,
-  the layer classes the MTP head is built from;
-- adapter.py: the engine's forward pass, caches and rollback over mlx-lm's model classes;
+- families/: one file per supported family (its layer classes, what mlxmtp patches in
+  them, its Hugging Face tensor conventions);
+- family.py: which family a checkpoint is, where its parts live in the mlx-lm model, the
+  layer classes the MTP head is built from;
+- adapter.py: the engine's forward pass over mlx-lm's model classes, and new caches;
+- model_cache.py: a model's per-layer caches and every operation on them (rollback,
+  batching, snapshots, sizes, the file layout);
 - ragged_cache.py: the attention KV cache with a per-row end;
 - gdn_capture.py: the recorder that keeps what a Gated DeltaNet rollback needs;
 - loading.py: loading models, configs and tokenizers;

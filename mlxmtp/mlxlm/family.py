@@ -1,67 +1,21 @@
-"""The supported model families: one `Family` each (its layer classes in mlx-lm, what
-mlxmtp patches in them, its Hugging Face tensor conventions), which Qwen family a checkpoint
-is, and where its parts live inside the mlx-lm model.
+"""Which supported family a checkpoint is (families/: one `Family` each), where its parts
+live inside the mlx-lm model, and the check that the patches reached every layer.
 
 mlx-lm nests Qwen3.5 under `language_model`, Qwen3-Next is flat; everything else in
-mlxmtp goes through `TextParts` so it never has to care. Adding a family: its `Family` in
-FAMILIES (the patches then cover its modules, and `check_patched` holds them to it) and
-its fixtures (mlxmtp/testing).
+mlxmtp goes through `TextParts` so it never has to care. Adding a family: see families/.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-# What mlxmtp patches for each kind of layer: the function the layer's own mlx-lm module
-# looks up by name at call time, replaced in that module (gdn_capture.py: the Gated
-# DeltaNet's recurrence, recorded for rollback; row_attention.py: attention per row group).
-PATCHED = {"linear_attention": "gated_delta_update", "attention": "scaled_dot_product_attention"}
-
-
-@dataclass(frozen=True)
-class Family:
-    """One supported family: the names of its layer classes in `mlx_lm.models.<module>`
-    (defined there or taken from another family's file), and how its HF checkpoints name
-    their tensors (`text_prefix`: where the text model's are; `expert_layout`: how the
-    backbone stores its experts, "per_expert" or "fused", None when it has none)."""
-
-    model_type: str
-    module: str
-    decoder_layer: str
-    linear_attention: str  # the Gated DeltaNet
-    attention: str
-    mlp: str
-    moe: str
-    text_prefix: str
-    expert_layout: Optional[str]
-
-    def layer_class(self, kind: str) -> type:
-        """The mlx-lm class of one of the fields above ("decoder_layer", "attention", ...)."""
-        # mlx_lm takes seconds to import: loaded on use (`mlxmtp inspect` never needs it).
-        return getattr(importlib.import_module(f"mlx_lm.models.{self.module}"), getattr(self, kind))
-
-    def patched_module(self, kind: str):
-        """The mlx-lm module whose `PATCHED[kind]` the layers of `kind` call: their class's own."""
-        return sys.modules[self.layer_class(kind).__module__]
-
-
-FAMILIES: Dict[str, Family] = {f.model_type: f for f in (
-    Family("qwen3_next", "qwen3_next", "Qwen3NextDecoderLayer", "Qwen3NextGatedDeltaNet", "Qwen3NextAttention",
-           "Qwen3NextMLP", "Qwen3NextSparseMoeBlock", text_prefix="model", expert_layout="per_expert"),
-    Family("qwen3_5", "qwen3_5", "DecoderLayer", "GatedDeltaNet", "Attention", "MLP", "SparseMoeBlock",
-           text_prefix="model.language_model", expert_layout=None),
-    # mlx-lm's qwen3_5_moe.py builds Qwen3.5's layers; the checkpoints fuse the experts.
-    Family("qwen3_5_moe", "qwen3_5", "DecoderLayer", "GatedDeltaNet", "Attention", "MLP", "SparseMoeBlock",
-           text_prefix="model.language_model", expert_layout="fused"),
-)}
-SUPPORTED = tuple(FAMILIES)
+from .families import FAMILIES, PATCHED, SUPPORTED, Family
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,4 +135,4 @@ def check_patched(layers: List[nn.Module]) -> None:
                 kind == "linear_attention" and type(part.conv1d) is nn.Conv1d):
             raise UnpatchedLayerError(f"layer {i} ({type(part).__module__}.{type(part).__name__}) is not patched "
                                       f"for {spec.model_type}: its {name} or its class is not the one mlxmtp "
-                                      "patches (mlxmtp/mlxlm/family.py: FAMILIES)")
+                                      "patches (mlxmtp/mlxlm/families/)")

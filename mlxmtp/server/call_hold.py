@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..engine.sampling import CYCLE_REACH
+from ..engine.sampling.row import CYCLE_REACH
 from . import tool_grammar
 from .errors import APIError
 from .grammar_mask import GrammarProcessor

@@ -18,7 +18,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.request import Event, Request
-from ..engine.sampling import SamplingParams
+from ..engine.sampling.params import SamplingParams
 from .errors import APIError
 from .generation import Generation, finish_error, output_budget
 from .reasoning import OutputSplitter, Piece

@@ -2,11 +2,11 @@
 
 Every check raises `APIError(400, ...)` naming the field, so a bad request is answered
 in its API's own error shape before it reaches the engine thread, where a failure would
-cost every request in flight. Ranges are each API's documented ones (OpenAI: temperature
-0-2, penalties -2..2, logit_bias values -100..100; Anthropic: temperature and top_p
-0-1); token ids must lie in the vocabulary, seeds in [0, 2**64), the draft depth in
-[0, MAX_DRAFT_DEPTH], and every string must be encodable (JSON allows lone surrogates,
-which no tokenizer takes).
+cost every request in flight. A sampling field's range is the engine's (sampling/params.py,
+RANGES), narrowed to each API's documented one (OpenAI: temperature 0-2, penalties -2..2,
+logit_bias values -100..100; Anthropic: temperature 0-1); token ids must lie in the
+vocabulary, the draft depth in [0, MAX_DRAFT_DEPTH], and every string must be encodable
+(JSON allows lone surrogates, which no tokenizer takes).
 
 Plain functions rather than pydantic models: the two APIs differ in names, ranges and
 defaults, and these few checks keep every message pointing at its field.
@@ -19,12 +19,11 @@ import math
 from typing import Any, List, Optional
 
 from ..engine.limits import MAX_DRAFT_DEPTH, MAX_TOP_LOGPROBS
-from ..engine.sampling import SamplingParams
+from ..engine.sampling.params import RANGES, SamplingParams
 from . import json_depth
 from .errors import APIError
 
 _MISSING = object()
-SEED_LIMIT = 2**64
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -154,15 +153,15 @@ def sampling_params(body: dict, vocab_size: int, *, anthropic: bool = False,
     field the request leaves unset takes the server's default (`defaults`: serve's --temp
     etc., else the model's generation_config), else greedy decoding's."""
     d = defaults or {}
-    temperature = field(body, "temperature", float, default=d.get("temperature", 0.0), minimum=0.0,
-                        maximum=1.0 if anthropic else 2.0)
-    top_p = field(body, "top_p", float, default=d.get("top_p", 1.0), minimum=0.0, exclusive_minimum=True, maximum=1.0)
-    top_k = field(body, "top_k", int, default=min(d.get("top_k", 0), vocab_size - 1), minimum=0 if anthropic else -1,
-                  maximum=vocab_size - 1)
-    min_p = field(body, "min_p", float, default=d.get("min_p", 0.0), minimum=0.0, maximum=1.0)
-    seed = field(body, "seed", int, minimum=0, maximum=SEED_LIMIT - 1)
-    rep = field(body, "repetition_penalty", float, default=d.get("repetition_penalty"), minimum=0.0,
-                exclusive_minimum=True, maximum=100.0)
+    temperature = _sampling_field(body, "temperature", float, d.get("temperature", 0.0),
+                                 maximum=1.0 if anthropic else 2.0)
+    top_p = _sampling_field(body, "top_p", float, d.get("top_p", 1.0))
+    # The OpenAI-style APIs also take vLLM's top_k -1 (off).
+    top_k = _sampling_field(body, "top_k", int, min(d.get("top_k", 0), vocab_size - 1), maximum=vocab_size - 1,
+                            **({} if anthropic else {"minimum": -1}))
+    min_p = _sampling_field(body, "min_p", float, d.get("min_p", 0.0))
+    seed = _sampling_field(body, "seed", int)
+    rep = _sampling_field(body, "repetition_penalty", float, d.get("repetition_penalty"), maximum=100.0)
     pres = freq = bias = None
     if not anthropic:
         pres = field(body, "presence_penalty", float, minimum=-2.0, maximum=2.0)
@@ -171,8 +170,17 @@ def sampling_params(body: dict, vocab_size: int, *, anthropic: bool = False,
     return SamplingParams(
         temperature=float(temperature), top_p=float(top_p), top_k=max(0, top_k), min_p=float(min_p),
         repetition_penalty=rep, presence_penalty=pres or None, frequency_penalty=freq or None,
-        logit_bias=bias, seed=seed, reproducible=seed is not None,  # same seed, same text (engine/seeded.py)
+        logit_bias=bias, seed=seed, reproducible=seed is not None,  # same seed, same text (engine/sampling/seeded.py)
     )
+
+
+def _sampling_field(body: dict, name: str, types, default: Any = None, **api) -> Any:
+    """`field` in the engine's range of `name` (sampling/params.py, RANGES); `api`: the
+    bounds an API narrows it to (`minimum`, `maximum`)."""
+    rule = RANGES[name]
+    high = rule.high - 1 if rule.high_open else rule.high  # an open end bounds integers alone (seed)
+    bounds = {"minimum": rule.low, "exclusive_minimum": rule.low_open, "maximum": high, **api}
+    return field(body, name, types, default=default, **bounds)
 
 
 def top_logprobs(body: dict) -> Optional[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Hashable, List, Optional, Sequence
 
 # The acceptance classes of rows (engine/state.acceptance_classes): greedy, sampled, and
-# sampled reproducibly (engine/seeded.py); the first two are also the kinds of batch a
+# sampled reproducibly (engine/sampling/seeded.py); the first two are also the kinds of batch a
 # policy prices apart (`cost_kind`).
 GREEDY, SAMPLED, REPRODUCIBLE = "greedy", "sampled", "reproducible"
 

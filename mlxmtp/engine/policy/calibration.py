@@ -28,10 +28,12 @@ from typing import Callable, Dict, Hashable, List, Optional
 import mlx.core as mx
 
 from ...mlxlm import adapter, gdn_capture
+from ...mlxlm.model_cache import ModelCache
 from ..pieces import ModelPieces
 from ..proposers.mtp_head import chain
-from ..sampling import RowSampler, SamplingParams
-from ..verify import VerifyMetadata, accept, picker
+from ..sampling.accept import VerifyMetadata, accept, picker
+from ..sampling.params import SamplingParams
+from ..sampling.row import RowSampler
 from .base import GREEDY, SAMPLED
 
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
@@ -56,10 +58,10 @@ def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, sh
     _, hidden = adapter.forward(pieces.parts, mx.zeros((batch_size, CONTEXT), mx.int32), cache,
                                 pieces.hidden_state)
     pieces.head(pieces.vocab.embed_tokens(mx.zeros((batch_size, CONTEXT), mx.int32)), hidden, head_cache)
-    mx.eval(*adapter.cache_arrays(cache), *adapter.cache_arrays(head_cache))
+    mx.eval(*cache.arrays(), *head_cache.arrays())
     if shape_stable:
-        adapter.fix_shapes(cache, 2)
-        adapter.fix_shapes(head_cache, 1)
+        cache.fix_shapes(2)
+        head_cache.fix_shapes(1)
     g = hidden[:, -1:]
     n = 3 if pipelined else 1
     runs = {}
@@ -104,7 +106,7 @@ def _interleaved(runs: Dict[Hashable, Callable[[], float]]) -> Dict[Hashable, fl
     return {key: plain * statistics.median(r[key] / r[base] for r in rounds) for key in runs}
 
 
-def _plain_steps(pieces: ModelPieces, cache: list, rows: _Rows, n: int) -> float:
+def _plain_steps(pieces: ModelPieces, cache: ModelCache, rows: _Rows, n: int) -> float:
     """n plain decoding steps, pipelined as the engine runs them -> seconds."""
     t = time.perf_counter()
     B = len(rows.samplers)
@@ -113,12 +115,12 @@ def _plain_steps(pieces: ModelPieces, cache: list, rows: _Rows, n: int) -> float
         logits, _ = adapter.forward(pieces.parts, y, cache, pieces.hidden_state)
         _, y = rows.accept(logits[:, -1:], mx.zeros((B, 0), mx.int32), None, pieces.compiled)
         mx.async_eval(y)
-    mx.eval(y, *adapter.cache_arrays(cache))
-    _trim(cache, n)
+    mx.eval(y, *cache.arrays())
+    cache.trim_rows([n] * B)  # back to where it was (see _drafting_cycle)
     return time.perf_counter() - t
 
 
-def _drafting_cycles(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, rows: _Rows,
+def _drafting_cycles(pieces: ModelPieces, cache: ModelCache, head_cache: ModelCache, g: mx.array, rows: _Rows,
                      k: int, n: int) -> float:
     """n cycles of depth k, each queued on the device while the host builds the next -> seconds."""
     t = time.perf_counter()
@@ -129,7 +131,7 @@ def _drafting_cycles(pieces: ModelPieces, cache: list, head_cache: list, g: mx.a
     return time.perf_counter() - t
 
 
-def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.array, rows: _Rows,
+def _drafting_cycle(pieces: ModelPieces, cache: ModelCache, head_cache: ModelCache, g: mx.array, rows: _Rows,
                     k: int) -> list:
     """One drafting cycle's graph (queued by the caller): the head's pass over the last
     verify's state, k chained drafts as the proposer makes them, the verify and its accept step."""
@@ -142,14 +144,9 @@ def _drafting_cycle(pieces: ModelPieces, cache: list, head_cache: list, g: mx.ar
     with gdn_capture.record():
         logits, _ = adapter.forward(pieces.parts, inputs, cache, pieces.hidden_state)
     kept, tokens = rows.accept(logits, drafts, q, pieces.compiled)
-    out = [kept, tokens, *adapter.cache_arrays(cache)]
-    _trim(cache, k + 1)
-    _trim(head_cache, k)
+    out = [kept, tokens, *cache.arrays()]
+    # Attention caches back to where they were (the Gated DeltaNet state just moves on:
+    # its cost does not depend on its values).
+    cache.trim_rows([k + 1] * B)
+    head_cache.trim_rows([k] * B)
     return out
-
-
-def _trim(cache: list, n: int) -> None:
-    """Attention caches back to where they were (the Gated DeltaNet state just moves on:
-    its cost does not depend on its values)."""
-    for c in adapter.attention_caches(cache):
-        c.trim_rows([n] * len(c.lengths))

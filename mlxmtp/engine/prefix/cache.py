@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ...mlxlm import adapter
+from ...mlxlm.model_cache import ModelCache
 from .trie import PrefixTrie, Tokens
 
 log = logging.getLogger("mlxmtp")
@@ -51,8 +51,8 @@ def default_budget(weights: int = 0) -> int:
 @dataclass
 class PrefixEntry:
     tokens: Tokens
-    cache: list
-    head_cache: Optional[list]
+    cache: ModelCache
+    head_cache: Optional[ModelCache]
     pend_h: Optional[mx.array]  # [n, H] head inputs not yet consumed
     pend_t: List[int]
     last_logits: mx.array  # [V] after the last token; size 0: stored without (a strict prefix only)
@@ -153,7 +153,7 @@ class PrefixCache:
         shared = self.trie.shared_length(key)
         return shared if self.disk is None else max(shared, self.disk.shared_length(key))
 
-    def store(self, tokens: List[int], cache: list, head_cache: Optional[list], pend_h, pend_t,
+    def store(self, tokens: List[int], cache: ModelCache, head_cache: Optional[ModelCache], pend_h, pend_t,
               last_logits: Optional[mx.array], boundary: bool = False) -> None:
         """Keep the state after `tokens`; `last_logits` None: stored without (a strict prefix
         only); `boundary`: see PrefixEntry."""
@@ -168,7 +168,7 @@ class PrefixCache:
             self.entries.move_to_end(key)
             self.entries[key].boundary |= boundary
             return
-        nbytes = adapter.cache_nbytes(cache) + (adapter.cache_nbytes(head_cache) if head_cache else 0)
+        nbytes = cache.nbytes + (head_cache.nbytes if head_cache else 0)
         nbytes += (pend_h.nbytes if pend_h is not None else 0) + last_logits.nbytes
         if self.agree is not None:
             nbytes = self.agree(nbytes)
@@ -192,14 +192,14 @@ class PrefixCache:
         self.shrink_to(self.limit())
 
 
-def _owned_entry(key: Tokens, cache: list, head_cache: Optional[list], pend_h, pend_t: List[int],
+def _owned_entry(key: Tokens, cache: ModelCache, head_cache: Optional[ModelCache], pend_h, pend_t: List[int],
                  last_logits: mx.array, nbytes: int) -> PrefixEntry:
     """An entry of copies that own their data, so it holds the bytes it is counted for (a
-    view would keep its batch's whole buffers alive: see adapter.owned_copy)."""
-    cache = adapter.owned_copy(cache)
-    head_cache = adapter.owned_copy(head_cache) if head_cache is not None else None
+    view would keep its batch's whole buffers alive: see ModelCache.owned_copy)."""
+    cache = cache.owned_copy()
+    head_cache = head_cache.owned_copy() if head_cache is not None else None
     pend_h = mx.contiguous(pend_h) if pend_h is not None else None
     last_logits = mx.contiguous(last_logits)
-    mx.eval(*adapter.cache_arrays(cache), *(adapter.cache_arrays(head_cache) if head_cache else []),
+    mx.eval(*cache.arrays(), *(head_cache.arrays() if head_cache else []),
             *([pend_h] if pend_h is not None else []), last_logits)
     return PrefixEntry(key, cache, head_cache, pend_h, list(pend_t), last_logits, nbytes)

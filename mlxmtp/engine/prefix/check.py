@@ -23,6 +23,7 @@ import mlx.core as mx
 import xxhash
 
 from ...mlxlm import adapter
+from ...mlxlm.model_cache import ModelCache
 from . import files as prefix_files
 from .cache import PrefixEntry
 
@@ -98,7 +99,7 @@ def shapes_of(state: PrefixEntry) -> Shapes:
     arrays, _ = prefix_files.flatten(state)
     out = {}
     for name, a in arrays.items():
-        free = 2 if name.endswith((".keys", ".values")) else 0 if name == "pend_h" else None
+        free = 0 if name == "pend_h" else ModelCache.position_axis(name)
         shape = tuple(None if i == free else n for i, n in enumerate(a.shape))
         out[name] = (shape, a.dtype, free is None and name != "last_logits")
     return out

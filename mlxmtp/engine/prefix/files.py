@@ -9,8 +9,9 @@ written under a temporary name (`tmp-<pid>-<name>.<ext>`) and renamed into place
 complete, the JSON last.
 
 mlx-lm's `save_prompt_cache` / `load_prompt_cache` rebuild mlx-lm's own cache classes by
-name from a flat list; an entry here holds RaggedKVCache rows, the MTP head's cache, its
-pending inputs and the logits after the last token, so it has this small layout of its own.
+name from a flat list; an entry here holds the model's caches (laid out by
+ModelCache.to_state), the MTP head's, its pending inputs and the logits after the last
+token, so it has this small layout of its own.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import hashlib
 import os
 from importlib import metadata as package_metadata
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ...mlxlm.ragged_cache import RaggedKVCache
+from ...mlxlm.model_cache import ModelCache
 from .cache import PrefixEntry
 from .folders import remove
 from .trie import Tokens
@@ -70,23 +71,15 @@ def flatten(entry: PrefixEntry) -> Tuple[Dict[str, mx.array], dict]:
     return arrays, meta
 
 
-def _layer_layout(cache: list, prefix: str, arrays: Dict[str, mx.array]) -> list:
+def _layer_layout(cache: ModelCache, prefix: str, arrays: Dict[str, mx.array]) -> list:
     """Each layer as ["kv", length] or ["gdn", slots], its arrays put in `arrays`."""
-    out = []
-    for i, c in enumerate(cache):
-        if isinstance(c, RaggedKVCache):
-            out.append(["kv", c.lengths[0]])
-            if c.keys is not None:
-                arrays[f"{prefix}.{i}.keys"], arrays[f"{prefix}.{i}.values"] = c.keys, c.values
-        else:
-            out.append(["gdn", len(c.cache)])
-            for j, a in enumerate(c.cache):
-                if a is not None:
-                    arrays[f"{prefix}.{i}.{j}"] = a
-    return out
+    state, meta_state = cache.to_state(prefix)
+    arrays.update(state)
+    return meta_state
 
 
-def rebuild(tokens: Tokens, arrays: Dict[str, mx.array], meta: dict, like: List[list], nbytes: int) -> PrefixEntry:
+def rebuild(tokens: Tokens, arrays: Dict[str, mx.array], meta: dict, like: List[Optional[ModelCache]],
+            nbytes: int) -> PrefixEntry:
     """The entry `meta` describes, from its `arrays` (its file, read), its caches checked
     layer by layer against `like`: [cache, head cache or None] of the running model."""
     if meta.get("format") != FORMAT or tuple(meta["tokens"]) != tokens:
@@ -94,35 +87,12 @@ def rebuild(tokens: Tokens, arrays: Dict[str, mx.array], meta: dict, like: List[
     cache_like, head_like = like
     if (head_like is None) != ("head" not in meta["layers"]):
         raise ValueError("stored with the MTP head on and read with it off, or the reverse")
-    cache = _layers(meta["layers"]["cache"], "cache", arrays, cache_like)
-    head = _layers(meta["layers"]["head"], "head", arrays, head_like) if head_like is not None else None
+    cache = cache_like.from_state(meta["layers"]["cache"], "cache", arrays)
+    head = head_like.from_state(meta["layers"]["head"], "head", arrays) if head_like is not None else None
     logits = arrays["last_logits"] if meta["has_logits"] else mx.zeros((0,))
     pend_h = arrays.get("pend_h")
     mx.eval(*arrays.values())
     return PrefixEntry(tokens, cache, head, pend_h, list(meta["pend_t"]), logits, nbytes, bool(meta.get("boundary")))
-
-
-def _layers(layout: list, prefix: str, arrays: Dict[str, mx.array], like: list) -> list:
-    """The caches of `layout`, checked layer by layer against the running model's (`like`)."""
-    if len(layout) != len(like):
-        raise ValueError(f"{len(layout)} layers stored, the model has {len(like)}")
-    out = []
-    for i, ((kind, size), fresh) in enumerate(zip(layout, like)):
-        if kind == "kv" and isinstance(fresh, RaggedKVCache):
-            c = RaggedKVCache(1)
-            c.lengths = [int(size)]
-            if size:
-                c.keys, c.values = arrays[f"{prefix}.{i}.keys"], arrays[f"{prefix}.{i}.values"]
-                if any(a.shape[0] != 1 or a.shape[2] != size for a in (c.keys, c.values)):
-                    raise ValueError(f"layer {i}: keys / values of shapes {c.keys.shape} / {c.values.shape} for "
-                                     f"{size} positions")
-        elif kind == "gdn" and not isinstance(fresh, RaggedKVCache) and size == len(fresh.cache):
-            c = type(fresh)(size)  # mlx-lm's ArraysCache, as the model's own
-            c.cache = [arrays.get(f"{prefix}.{i}.{j}") for j in range(size)]
-        else:
-            raise ValueError(f"layer {i} stored as {kind}, the model's is {type(fresh).__name__}")
-        out.append(c)
-    return out
 
 
 def write_atomically(path: Path, write) -> None:

@@ -6,7 +6,7 @@ built once (proposers/build.py), and the cycle code calls only these methods. A 
 
   1. `propose(batch, rows, k, pick)` -> `Drafts`: k tokens per row, lazily on the device;
   2. the main model verifies [last token, drafts] in one forward; each row keeps some drafts
-     (verify.py, with `Drafts.logprobs` as q for sampled rows);
+     (sampling/accept.py, with `Drafts.logprobs` as q for sampled rows);
   3. `after_verify(batch, cycle, tokens, consumed)`: the cycle's results, read on the host
      (also after a plain cycle, k = 0): what the drafter learns from them.
 
@@ -25,7 +25,7 @@ iff it is the target's argmax. Sampled rows need q, the distribution each draft 
 from: the head samples from its processed logits (`pick`); a model-free drafter proposes
 tokens outright, i.e. q is a point mass on the token (`point_mass`), and rejection sampling
 then keeps draft x with probability min(1, p(x) / 1) = p(x) and on a rejection draws from
-max(p - q, 0) normalised: p with x removed, renormalised (rejection_sampler.py) — exact.
+max(p - q, 0) normalised: p with x removed, renormalised (sampling/rejection.py) — exact.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Callable, List, NamedTuple, Optional
 
 import mlx.core as mx
 
-# How a drafter with logits decides each draft (verify.draft_picker):
+# How a drafter with logits decides each draft (sampling/batch.py, BatchSampling.pick):
 # pick(step, logits [B, V], drafts_so_far [B, step]) -> (tokens [B], q log-probs [B, V] or None).
 Picker = Callable
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Callable, List
 
-from ...mlxlm import adapter
 from ..pieces import ModelPieces
 from . import mtp_inputs
 from .base import Drafts, Picker, Proposer
@@ -50,11 +49,10 @@ class MTPProposer(Proposer):
 
     def settle(self, batch, prev, kept: List[int]) -> None:
         bucket = batch.head_cache[0].query_bucket(prev.k + 1, batch.head_width)
-        adapter.settle(batch.head_cache, [bucket - 1 - n for n in kept])
+        batch.head_cache.settle([bucket - 1 - n for n in kept])
 
 
 def _drop_chained_rows(batch, cycle) -> None:
     """Trim the rows the head wrote while chaining drafts 2..k (from its own guesses)."""
     if batch.head_cache is not None and cycle.k > 1:
-        for c in batch.head_cache:
-            c.trim_rows([cycle.k - 1] * len(cycle.rows))
+        batch.head_cache.trim_rows([cycle.k - 1] * len(cycle.rows))

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from ...mlxlm.family import TextParts
+from ...mlxlm.model_cache import ModelCache
 from ...models.draft_vocab import DraftVocab
 from ...models.mtp_head import MTPHead
 
@@ -72,13 +73,13 @@ def _pad_positions(x: mx.array, P: int, axis: int) -> mx.array:
     return mx.concatenate([x, mx.zeros(shape, x.dtype)], axis=axis)
 
 
-def _head_forward(head: MTPHead, vocab: Vocab, head_cache: list, tokens: mx.array, hidden: mx.array) -> mx.array:
+def _head_forward(head: MTPHead, vocab: Vocab, head_cache: ModelCache, tokens: mx.array, hidden: mx.array) -> mx.array:
     """The head over (embedding of tokens [B, P], hidden [B, P, H]) -> h' [B, P, H]."""
     emb = vocab.embed_tokens(tokens)
     return head(emb, hidden.astype(emb.dtype) if hidden.dtype != emb.dtype else hidden, head_cache)
 
 
-def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
+def head_pass(head: MTPHead, vocab: Vocab, head_cache: ModelCache, pend: Sequence[Sequence[Segment]],
               pend_t: Sequence[List[int]], counts: Sequence[int],
               width: int = 0) -> Tuple[mx.array, List[List[Segment]]]:
     """Consume the first counts[b] pending pairs of every row.
@@ -113,12 +114,11 @@ def head_pass(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequ
             if total > n:
                 rest[b] = [(arr[b, n:total], None, total - n)]
     out = _head_forward(head, vocab, head_cache, mx.array(toks), hid)
-    for c in head_cache:
-        c.trim_rows([P - n for n in counts])
+    head_cache.trim_rows([P - n for n in counts])
     return out, rest
 
 
-def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence[Segment]],
+def draft(head: MTPHead, vocab: Vocab, head_cache: ModelCache, pend: Sequence[Sequence[Segment]],
           pend_t: Sequence[List[int]], k: int, pick, width: int = 0) -> Tuple[mx.array, Optional[mx.array]]:
     """Chain k drafts per row from all pending pairs.
 
@@ -133,7 +133,7 @@ def draft(head: MTPHead, vocab: Vocab, head_cache: list, pend: Sequence[Sequence
     return chain(head, vocab, head_cache, g, k, pick)
 
 
-def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array, tokens: mx.array,
+def draft_unread(head: MTPHead, vocab: Vocab, head_cache: ModelCache, hidden: mx.array, tokens: mx.array,
                  kept: mx.array, k: int, pick, width: int) -> Tuple[mx.array, Optional[mx.array]]:
     """`draft` right after a cycle that was not read yet: its pending inputs are that cycle's
     hidden states [B, T, H] paired with its tokens [B, T], of which row b's first kept[b] + 1
@@ -142,13 +142,12 @@ def draft_unread(head: MTPHead, vocab: Vocab, head_cache: list, hidden: mx.array
     B, T = tokens.shape
     P = head_cache[0].query_bucket(T, width)
     g = _head_forward(head, vocab, head_cache, _pad_positions(tokens, P, axis=1), _pad_positions(hidden, P, axis=1))
-    for c in head_cache:
-        c.defer_trim(P - 1 - kept)
+    head_cache.defer_trim(P - 1 - kept)
     g = g[mx.arange(B), kept][:, None, :]
     return chain(head, vocab, head_cache, g, k, pick)
 
 
-def chain(head: MTPHead, vocab: Vocab, head_cache: list, g: mx.array, k: int,
+def chain(head: MTPHead, vocab: Vocab, head_cache: ModelCache, g: mx.array, k: int,
           pick) -> Tuple[mx.array, Optional[mx.array]]:
     """k drafts per row, chained from the head states g [B, 1, H] (see `draft`)."""
     B = g.shape[0]

@@ -1,6 +1,6 @@
 """Reproducible sampling: a seeded request's tokens depend on its seed, not on the depth.
 
-Rejection sampling (rejection_sampler.py) gives the target's distribution, but which
+Rejection sampling (rejection.py) gives the target's distribution, but which
 sample comes out depends on how the random numbers were spent: k drafts and their accept
 tests at one depth, one draw per token at another. The depth policy changes the depth with
 the load, so a seeded request would give other text from one run to the next.
@@ -23,7 +23,7 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
-from .rejection_sampler import accept_greedy
+from .rejection import accept_greedy
 
 # The first half of the key a position is hashed with (any constant: it only has to differ
 # from the keys of seeds, so that position n's noise is not another seed's).
