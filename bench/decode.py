@@ -15,6 +15,7 @@ and measured/ideal is the engine's efficiency (draft cost and overhead included)
     python bench/decode.py --models demo --temps 0 --rounds 5 --markdown
     python bench/decode.py --models /path/to/mlx-model --max-tokens 200
     python bench/decode.py --models demo --temps 0 --depths 2,3 --pipelined   # each depth also pipelined
+    python bench/decode.py --models demo --depths 3 --suffix --workload repeat  # suffix drafts, text that repeats
 
 Prompts: code, a different one each round (the demo model's held-out prompts).
 Models: `demo` (the packaged demo model), `demo-4bit` (built by bench/quantized_demo.py
@@ -168,16 +169,27 @@ def interleaved(sides, chunk=16):
 VARIANTS = {
     "compiled": {"compile_steps": True},  # the head's steps and the accept step compiled
     "pipelined": {"pipeline_drafts": True, "shape_stable": True},  # cycles built on unread ones
+    "suffix": {"suffix_drafts": True},  # suffix drafts beside the head (serve's default)
 }
 
 
+def asked_again(ref, tok, prompt, n):
+    """The "repeat" workload: the prompt, the model's own greedy answer to it and the prompt
+    again, as when an agent asks for what it was given before; the demo model then mostly
+    writes that answer again, which the suffix drafter finds in its prompt."""
+    answer = [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=n, sampler=make_sampler(temp=0.0))]
+    return prompt + answer + prompt
+
+
 def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16,
-                compiled=False, shape_stable=None, pipelined=False):
+                compiled=False, shape_stable=None, pipelined=False, suffix=False, workload="code"):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompts = [tok.encode(p) for p in PROMPTS]
+    if workload == "repeat":
+        prompts = [asked_again(ref, tok, p, max_tokens) for p in prompts]
     drafting = [(f"mlxmtp k={k}", k) for k in depths] + [("mlxmtp adaptive", "adaptive")]
-    variants = [v for v, on in (("compiled", compiled), ("pipelined", pipelined)) if on]
+    variants = [v for v, on in (("compiled", compiled), ("pipelined", pipelined), ("suffix", suffix)) if on]
     twins = [(f"{label}, {v}", k) for v in variants for label, k in drafting]
     options = {f"{label}, {v}": VARIANTS[v] for v in variants for label, _ in drafting}
     if shape_stable is not None:  # else the backend's default (on for GPUs)
@@ -217,7 +229,8 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
                 results[label].append(dict(res, stats=out["stats"]))
                 results[ref_label].append(base)
                 paired[label].append(res["tps"] / base["tps"])
-        print(f"\nmodel: {name}   temp={temp}   max_tokens={max_tokens}   rounds={rounds}   turns={chunk} tokens "
+        print(f"\nmodel: {name}   workload: {workload}   temp={temp}   max_tokens={max_tokens}   rounds={rounds}   "
+              f"turns={chunk} tokens "
               "(medians; speedups: of each run against the mlx-lm run interleaved with it)")
         print("forward cost relative to 1 token: " + ", ".join(f"T={k + 1}: {v:.2f}x" for k, v in cost.items()))
         cols = ["setting", "tok/s", "vs mlx-lm", "range", "acceptance by position", "tok/fwd", "ideal", "meas/ideal",
@@ -302,6 +315,10 @@ def main():
                     help="also run each drafting setting with compile_steps (the head's steps and the accept step compiled)")
     ap.add_argument("--pipelined", action="store_true",
                     help="also run each drafting setting with pipeline_drafts (each cycle built on the unread one)")
+    ap.add_argument("--suffix", action="store_true",
+                    help="also run each drafting setting with suffix drafts beside the head")
+    ap.add_argument("--workload", choices=["code", "repeat"], default="code",
+                    help="code: the held-out prompts; repeat: each prompt, the model's answer and the prompt again")
     ap.add_argument("--shape-stable", action="store_true",
                     help="shape-stable caches on every mlxmtp engine (the GPU default) on any backend")
     ap.add_argument("--markdown", action="store_true")
@@ -315,7 +332,7 @@ def main():
             rounds = args.rounds_quantized if quantized else args.rounds
             chunk = args.chunk_quantized if quantized else args.chunk
             bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized, chunk, args.compiled,
-                        args.shape_stable or None, args.pipelined)
+                        args.shape_stable or None, args.pipelined, args.suffix, args.workload)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_bench_runs_interleaved_rounds_prints_each_run_and_warns_when_ratios_spr
     speeds = {None: [100.0, 100.0, 100.0], 0: [99.0, 44.0, 98.0], "adaptive": [140.0, 141.0, 139.0]}
     order = []
 
-    def one(model, tok, ids, gen, temp, setting):  # the timings a shared machine gives
+    def one(model, tok, ids, gen, temp, setting, suffix=False):  # the timings a shared machine gives
         order.append(setting)
         runs = [s for s in order if s == setting]
         tps = speeds[setting][len(runs) - 1 - 1] if len(runs) > 1 else 1.0  # the first run is the warm-up

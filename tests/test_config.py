@@ -34,7 +34,7 @@ def test_the_configs_are_frozen_and_compare_by_value():
         config.num_draft = 3
     assert config == EngineConfig(num_draft=2) and config != EngineConfig(num_draft=3)
     assert EngineConfig() == EngineConfig(max_batch=16, prefix_cache_bytes=0, memory_bytes=0)  # the engine's own
-    assert SERVED_ENGINE == EngineConfig(max_batch=8, memory_bytes=None)  # create_app's, serve's limits
+    assert SERVED_ENGINE == EngineConfig(max_batch=8, memory_bytes=None, suffix_drafts=True)  # create_app's, serve's limits
     with pytest.raises(dataclasses.FrozenInstanceError):
         ServerConfig().port = 1
 
@@ -105,4 +105,4 @@ def test_serve_builds_the_same_engine_config_on_rank_0_and_the_other_ranks(serve
     assert built0 == built1 and built0 is checked0 and built1 is checked1  # the object every rank hashed
     assert setup_digest(checked0, load0) == setup_digest(checked1, load1)
     assert built0 == EngineConfig(num_draft=2, max_batch=3, prefix_cache_bytes=10**6, prefix_cache_entries=4,
-                                  memory_bytes=64 << 20, prefill_step=64, pipeline_drafts=True)
+                                  memory_bytes=64 << 20, prefill_step=64, pipeline_drafts=True, suffix_drafts=True)

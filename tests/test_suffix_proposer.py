@@ -84,3 +84,20 @@ def test_the_config_refuses_what_no_engine_runs(fixture_model):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     with pytest.raises(ValueError, match="fixed depth"):  # checked where the engine is built
         BatchGenerator(model, tok, dataclasses.replace(EngineConfig(), draft_source="suffix"))
+
+
+def test_a_request_sent_back_to_wait_adds_its_output_once():
+    """A row that leaves the batch for memory and resumes: what it wrote before leaving is
+    in the shared index once, and what it writes after is added when it leaves again."""
+    from types import SimpleNamespace
+
+    proposer = SuffixProposer(vocab_size=300)
+    req = SimpleNamespace(id=7, prompt=[1, 2, 3])
+    row = SimpleNamespace(req=req, tokens=[1, 2, 3, 10, 11, 12])
+    proposer.proposal(row, 4)
+    proposer.drop_absent(set())  # sent back to wait
+    assert proposer.shared.tokens == 3
+    row.tokens += [13, 14]  # resumed, then finished
+    proposer.proposal(row, 4)
+    proposer.drop_absent(set())
+    assert proposer.shared.tokens == 5

@@ -39,9 +39,11 @@ def _int_list(text: str, name: str, low: int, high: Optional[int] = None) -> Lis
                    "medians and ranges over the rounds. A range wider than "
                    f"{SPREAD_LIMIT:.2f}x (max / min) is reported as untrustworthy.")
 @click.option("--no-mlx-lm", is_flag=True, help="Leave out mlx-lm's stream_generate.")
+@click.option("--suffix/--no-suffix", default=True, show_default=True,
+              help="Let the MTP settings draft from the suffix drafter too, as serve and generate do.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (the progress lines and bar go to stderr).")
-def bench(model, prompt_tokens, generation_tokens, depths, temp, rounds, no_mlx_lm, as_json):
+def bench(model, prompt_tokens, generation_tokens, depths, temp, rounds, no_mlx_lm, as_json, suffix):
     """Decode speed: MTP off vs adaptive vs fixed depths vs mlx-lm, per prompt length, over
     interleaved rounds (a line per run on stderr as it ends)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
@@ -65,11 +67,12 @@ def bench(model, prompt_tokens, generation_tokens, depths, temp, rounds, no_mlx_
     runs = len(lengths) * len(settings) * (rounds + 1)
     report = {"model": model or "mlxmtp-demo", "mtp_active": bool(m.active),
               "mtp_disabled_reason": m.disabled_reason, "generation_tokens": generation_tokens,
-              "temperature": temp, "num_trials": rounds, "rounds": rounds, "spread_limit": SPREAD_LIMIT,
+              "temperature": temp, "suffix": suffix, "num_trials": rounds, "rounds": rounds, "spread_limit": SPREAD_LIMIT,
               "results": [], "warnings": []}
     with tqdm(total=runs, desc="mlxmtp bench", file=sys.stderr, disable=None) as bar:
         for n in lengths:
-            summaries = benchmark.rounds_at(m, tok, n, settings, generation_tokens, temp, rounds, no_mlx_lm, bar)
+            summaries = benchmark.rounds_at(m, tok, n, settings, generation_tokens, temp, rounds, no_mlx_lm, bar,
+                                            suffix)
             report["results"].append({"prompt_tokens": n, "settings": summaries})
             report["warnings"] += benchmark.noisy(n, summaries, rounds, no_mlx_lm)
     for line in report["warnings"]:

@@ -21,6 +21,9 @@ _DRAFTING = [
     click.option("--num-draft", "--num-draft-tokens", "num_draft", default=None,
                  type=click.IntRange(0, MAX_DRAFT_DEPTH),
                  help="Pin the draft depth (default: adaptive). --num-draft-tokens is mlx-lm's name for it."),
+    click.option("--suffix/--no-suffix", default=True, show_default=True,
+                 help="Beside the MTP head, draft what the prompt and the output say comes next (up to 32 tokens "
+                      "where text repeats: an edit re-emitting code it read); used per row where it promises more."),
     click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
                  help="Draft from the N most frequent tokens only (list made by `mlxmtp draft-vocab`; "
                       "vocabularies over 64K; 0 = the full vocabulary)."),

@@ -186,13 +186,10 @@ class BatchGenerator:
             if not self.rows:
                 return
         self.calibrate(len(self.rows))
-        k, self.why = cycle.choose_depth(self.policy, self.rows, self.proposer is not None)
+        k, self.why = cycle.choose_depth(self.policy, self.rows, self.proposer)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1
-        # Pipelined: queued on the device, read in the next step after the next cycle is
-        # queued (logits processors need each token on the host; drafting cycles only
-        # with `pipeline_drafts`).
-        pipelined = all(not r.sampler.live(len(r.tokens)) for r in self.rows) and (k == 0 or self.pipeline_drafts)
+        pipelined = cycle.can_pipeline(self.rows, k, self.pipeline_drafts, self.proposer)
         prev = self._inflight
         if prev is not None and not (pipelined and (prev.k > 0) == (k > 0)):
             self._drain(events)
@@ -252,8 +249,9 @@ class BatchGenerator:
         t0 = time.perf_counter()
         ys = cycle.first_inputs(rows, after)
         drafts, q = self._propose(rows, k, sampling)
+        drafted = self.proposer.drafted(len(rows), k) if k else None
         return cycle.verify(self.pieces, self.cache, rows, ys, drafts, q, self.acceptance_rule, t0,
-                            after is not None, sampling)
+                            after is not None, sampling, drafted)
 
     def _propose(self, rows: List[Row], k: int, sampling: BatchSampling):
         """k drafts per row -> (drafts [B, k], the q log-probs [B, k, V] or None: all greedy)."""
@@ -284,7 +282,7 @@ class BatchGenerator:
         `rolled_back`: the drafting cycle built on top of it did that on the device (and fed
         the head), only the trims it deferred are left to settle."""
         kept, tokens, tables = self._read(rec)
-        consumed, finished = emit_cycle(rec.rows, rec.k, kept, tokens, tables, events)
+        consumed, finished = emit_cycle(rec.rows, rec.k, kept, tokens, tables, events, rec.drafted)
         if rolled_back:
             cycle.settle(rec, self.batch, self.proposer, kept)
         else:

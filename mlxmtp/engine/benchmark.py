@@ -65,8 +65,8 @@ def run_mlx_lm(model, tok, ids: List[int], gen: int, temp: float) -> dict:
     return _timed(1 for _ in reference_tokens(model, tok, ids, gen, temp))
 
 
-def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict:
-    """depth: 0 (MTP off), "adaptive" or a fixed draft depth."""
+def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth, suffix: bool = False) -> dict:
+    """depth: 0 (MTP off), "adaptive" or a fixed draft depth; suffix: the suffix drafter too."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from .batch import BatchGenerator
     from .generate import stream_generate
@@ -74,7 +74,7 @@ def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict
 
     stats: dict = {}
     # Built before the clock starts: a server builds its engine once.
-    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=depth != 0,
+    engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=depth != 0, suffix_drafts=suffix,
                                                      num_draft=None if depth in (0, "adaptive") else depth))
 
     def counts():
@@ -90,13 +90,13 @@ def run_mlxmtp(model, tok, ids: List[int], gen: int, temp: float, depth) -> dict
     return out
 
 
-def one(model, tok, ids, gen, temp, setting) -> dict:
+def one(model, tok, ids, gen, temp, setting, suffix: bool = False) -> dict:
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     import mlx.core as mx
 
     mx.reset_peak_memory()
     res = run_mlx_lm(model, tok, ids, gen, temp) if setting is None else run_mlxmtp(model, tok, ids, gen, temp,
-                                                                                   setting)
+                                                                                   setting, suffix)
     res["peak_mib"] = mx.get_peak_memory() / 2**20
     res["prompt_tps"] = len(ids) / res["ttft_s"] if res["ttft_s"] > 0 else 0.0
     return res
@@ -158,7 +158,7 @@ def table(result: dict) -> str:
 
 
 def rounds_at(m, tok, n: int, settings: list, generation_tokens: int, temp: float, rounds: int,
-               no_mlx_lm: bool, bar) -> List[dict]:
+               no_mlx_lm: bool, bar, suffix: bool = False) -> List[dict]:
     """Each setting's summary at prompt length `n`: a warm-up run each (compiles, and the
     adaptive policy's calibration), then `rounds` interleaved rounds, a stderr line per run."""
     from tqdm import tqdm  # on use, as commands/bench.py does
@@ -166,12 +166,12 @@ def rounds_at(m, tok, n: int, settings: list, generation_tokens: int, temp: floa
     ids = prompt_ids(tok, n)
     results: Dict[str, List[dict]] = {label: [] for label, _ in settings}
     for _, setting in settings:
-        one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting)
+        one(m, tok, ids[: min(n, 64)], min(generation_tokens, 32), temp, setting, suffix)
         bar.update()
     for r in range(rounds):
         for label, setting in (settings if r % 2 == 0 else settings[::-1]):
             bar.set_postfix_str(f"prompt {n}, {label}")
-            res = one(m, tok, ids, generation_tokens, temp, setting)
+            res = one(m, tok, ids, generation_tokens, temp, setting, suffix)
             results[label].append(res)
             bar.update()
             tqdm.write(f"prompt {n}  round {r + 1}/{rounds}  {label:<8}  {res['generation_tps']:8.1f} tok/s  "

@@ -30,6 +30,11 @@ class EngineConfig:
     # drafter (engine/proposers/suffix.py, any model, the head unused), at a fixed depth
     # (num_draft): the depth policy's calibration times the head's drafts, not its.
     draft_source: str = "mtp"
+    # Beside the MTP head, drafts read off the prompt and the output (engine/proposers/
+    # hybrid.py), up to limits.MAX_SUFFIX_DEPTH tokens, per row where they promise more; a
+    # process alone only (the ranks of a distributed run draft with the head). Off here, on
+    # in the commands (`--suffix/--no-suffix`).
+    suffix_drafts: bool = False
     # How sampled drafts are kept (engine/sampling/rejection.py): "exact" (rejection
     # sampling); "argmax" is a wrong rule the tests show they catch.
     acceptance_rule: str = "exact"

@@ -19,7 +19,7 @@ builds a cycle while the device computes the one before.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -45,6 +45,8 @@ class Cycle:
     records: list  # Gated DeltaNet per-position states of the verify
     t0: float
     pipelined: bool  # its input is the previous cycle's unread token
+    # Per row: (the drafter that made its drafts, how many it made; the rest to k padding).
+    drafted: List[Tuple[str, int]] = field(default_factory=list)
     synchronous: bool = False  # evaluated and read in the call that built it
     built: float = 0.0  # graph built (synchronous cycles)
     computed: float = 0.0  # device done (synchronous cycles)
@@ -53,21 +55,39 @@ class Cycle:
         idx = mx.array(keep, dtype=mx.int32)
         return Cycle([self.rows[i] for i in keep], self.k, self.kept[idx], self.tokens[idx],
                      None if self.lps is None else self.lps[idx], self.hidden[idx],
-                     [r.select(idx) for r in self.records], self.t0, self.pipelined)
+                     [r.select(idx) for r in self.records], self.t0, self.pipelined,
+                     [self.drafted[i] for i in keep] if self.drafted else [])
 
 
-def choose_depth(policy, rows: List[Row], has_head: bool) -> Tuple[int, str]:
-    """The next cycle's depth, and why (request stats and /metrics report it)."""
-    if not has_head:
+def choose_depth(policy, rows: List[Row], proposer) -> Tuple[int, str]:
+    """The next cycle's depth, and why (request stats and /metrics report it): the depth
+    policy's, or the drafter's plan on top of it (Proposer.plan)."""
+    if proposer is None:
         return 0, "no MTP head"
-    # Drafting past a row's max_tokens is wasted but harmless (the stop truncates it);
-    # capping by the row with the most room keeps one finishing row from stalling MTP.
-    limit = max(r.req.max_tokens - r.generated - 1 for r in rows)
+    limit = room(rows)
     pinned = [r.req.num_draft for r in rows if r.req.num_draft is not None]
     if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
-        return max(0, min(min(pinned), limit)), "pinned by a request"
-    k = policy.choose(len(rows), limit, acceptance_classes(rows))
-    return k, policy.why
+        k, why = max(0, min(min(pinned), limit)), "pinned by a request"
+    else:
+        k, why = policy.choose(len(rows), limit, acceptance_classes(rows)), policy.why
+    k = proposer.plan(rows, k, policy, limit)
+    return k, proposer.why() or why
+
+
+def can_pipeline(rows: List[Row], k: int, pipeline_drafts: bool, proposer) -> bool:
+    """Whether the next cycle may be queued on the device and read in the next step, after
+    the one after it is queued: not where a logits processor needs each token on the host;
+    a drafting cycle only with `pipeline_drafts` and a plan that needs no tokens on the host
+    (Proposer.needs_host_tokens)."""
+    return all(not r.sampler.live(len(r.tokens)) for r in rows) and (
+        k == 0 or (pipeline_drafts and not proposer.needs_host_tokens()))
+
+
+def room(rows: List[Row]) -> int:
+    """The most drafts worth making for `rows`. Drafting past a row's max_tokens is wasted
+    but harmless (the stop truncates it); capping by the row with the most room keeps one
+    finishing row from stalling drafting."""
+    return max(r.req.max_tokens - r.generated - 1 for r in rows)
 
 
 def first_inputs(rows: List[Row], after: Optional[Cycle]) -> mx.array:
@@ -85,7 +105,8 @@ def wait_for_drafts(drafts: mx.array, q: Optional[mx.array]) -> float:
 
 
 def verify(pieces: ModelPieces, cache: ModelCache, rows: List[Row], ys: mx.array, drafts: mx.array,
-           q: Optional[mx.array], rule: str, t0: float, pipelined: bool, sampling: BatchSampling) -> Cycle:
+           q: Optional[mx.array], rule: str, t0: float, pipelined: bool, sampling: BatchSampling,
+           drafted: Optional[List[Tuple[str, int]]] = None) -> Cycle:
     """Build the verify forward over [ys, drafts] ([B, k+1]) and the acceptance, lazily;
     `sampling`: the cycle's, which its drafts were picked with."""
     k = drafts.shape[1]
@@ -98,7 +119,7 @@ def verify(pieces: ModelPieces, cache: ModelCache, rows: List[Row], ys: mx.array
     else:
         logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
     kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled, sampling), logits)
-    return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined)
+    return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined, drafted or [])
 
 
 def evaluate(rec: Cycle, batch: Batch) -> None:
@@ -145,7 +166,7 @@ def launch_after(pieces: ModelPieces, batch: Batch, prev: Cycle, k: int, propose
     drafts, q = proposer.propose_unread(batch, prev, k, pick)
     if hook is not None:
         drafts = hook(prev.rows, drafts, consumed)
-    return verify(pieces, batch.cache, prev.rows, ys, drafts, q, rule, t0, True, sampling)
+    return verify(pieces, batch.cache, prev.rows, ys, drafts, q, rule, t0, True, sampling, proposer.drafted(B, k))
 
 
 def settle(prev: Cycle, batch: Batch, proposer, kept: List[int]) -> None:

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from ..mlxlm import adapter
 from ..mlxlm.ragged_cache import RaggedKVCache
-from .limits import MAX_DRAFT_DEPTH
+from .limits import MAX_CYCLE_DEPTH
 
 # Positions a row must be able to grow by before it is admitted: a preemption then
 # follows an admission only after this many tokens more, never at once.
@@ -181,12 +181,12 @@ class MemoryGuard:
 def next_lengths(rows) -> List[int]:
     """Positions each active row reaches in its next cycle, at the deepest (its cache holds
     all its tokens but the last; the cycle feeds that one and its drafts)."""
-    return [len(r.tokens) + MAX_DRAFT_DEPTH for r in rows]
+    return [len(r.tokens) + MAX_CYCLE_DEPTH for r in rows]
 
 
 def _prefilled_lengths(rows) -> List[int]:
     """What rows reach in their first cycle once their prefill is done."""
-    return [len(r.prompt) + 1 + MAX_DRAFT_DEPTH for r in rows]
+    return [len(r.prompt) + 1 + MAX_CYCLE_DEPTH for r in rows]
 
 
 def startable(guard: MemoryGuard, rows, waiting) -> Optional[Set[int]]:

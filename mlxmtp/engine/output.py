@@ -20,15 +20,17 @@ log = logging.getLogger("mlxmtp")
 
 
 def emit_cycle(rows: List[Row], k: int, kept: List[int], tokens: List[List[int]],
-               tables: Optional[list], events: List[Event]) -> Tuple[List[int], List[int]]:
-    """Emit one cycle's tokens for every row: row b's are tokens[b][: kept[b] + 1].
+               tables: Optional[list], events: List[Event],
+               drafted: Optional[List[Tuple[str, int]]] = None) -> Tuple[List[int], List[int]]:
+    """Emit one cycle's tokens for every row: row b's are tokens[b][: kept[b] + 1];
+    drafted[b]: (the drafter, the drafts it made for row b) where not all k are the head's.
 
     Returns (tokens each row consumed, batch indices of the rows that finished). A row
     whose output fails (e.g. its detokenizer raises) fails alone and finishes here."""
     finished, consumed = [], []
     for b, row in enumerate(rows):
         emitted = tokens[b][: kept[b] + 1]
-        row.stats.record_cycle(k, kept[b], len(emitted))
+        row.stats.record_cycle(k, kept[b], *(drafted[b] if drafted else ("mtp", k)))
         try:
             with blame(row.req.id):
                 n = emit(row, emitted, events, tables[b] if tables is not None else None)

@@ -49,8 +49,11 @@ class RequestStats:
     forwards: int = 0  # main-model decode forwards (prefill excluded)
     drafted: int = 0
     accepted: int = 0
+    # Drafts by position in their cycle (the head's; a suffix draft's are not counted).
     drafted_by_position: List[int] = field(default_factory=list)
     accepted_by_position: List[int] = field(default_factory=list)
+    # Per drafter ("mtp", "suffix"): [drafted, accepted].
+    by_source: Dict[str, List[int]] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     device_seconds: float = 0.0  # waiting on draft + verify (synchronous cycles)
@@ -60,11 +63,21 @@ class RequestStats:
     depth_reasons: Dict[str, int] = field(default_factory=dict)  # cycles by why their depth was chosen
     preempted: int = 0  # times it waited for memory after it had started (engine/memory.py)
 
-    def record_cycle(self, k: int, kept: int, emitted: int) -> None:
+    def record_cycle(self, k: int, kept: int, source: str = "mtp", drafts: Optional[int] = None) -> None:
+        """A cycle of depth k in which the row kept `kept` drafts, the first `drafts` (default
+        k) made by `source`, the rest padding."""
         self.forwards += 1
-        self.drafted += k
-        self.accepted += min(kept, k)
         self.depths[k] = self.depths.get(k, 0) + 1
+        n = k if drafts is None else drafts
+        self.drafted += n
+        self.accepted += min(kept, n)
+        if n:
+            counts = self.by_source.setdefault(source, [0, 0])
+            counts[0], counts[1] = counts[0] + n, counts[1] + min(kept, n)
+        if source != "suffix":  # a suffix draft's length is its match's, not a depth
+            self._record_positions(n, kept)
+
+    def _record_positions(self, k: int, kept: int) -> None:
         while len(self.drafted_by_position) < k:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
@@ -88,6 +101,7 @@ class RequestStats:
             "accepted": self.accepted,
             "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
             "acceptance_by_position": by_pos,
+            "by_source": {s: {"drafted": d, "accepted": a} for s, (d, a) in sorted(self.by_source.items())},
             # The first token comes from the prefill; a decode forward yields the rest.
             "tokens_per_forward": self.decode_tokens / self.forwards if self.forwards else 0.0,
             "forwards": self.forwards,

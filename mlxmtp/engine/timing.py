@@ -44,8 +44,11 @@ class CycleClock:
         dt = now - max(rec.t0, self.last_finish)
         mode = ("sync" if rec.synchronous else "async", B)
         interval = now - self.last_finish
-        policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
-                      switch_seconds=interval if self.switched else None)
+        # The depth policy learns the head's acceptance and cycle costs: a cycle with suffix
+        # drafts (proposers/hybrid.py) teaches it neither.
+        if all(source != "suffix" for source, _ in rec.drafted):
+            policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
+                          switch_seconds=interval if self.switched else None)
         self.switched = False
         self.mode = mode
         self.last_finish = now

@@ -11,9 +11,9 @@ from typing import Optional, Tuple
 
 from ..engine.config import EngineConfig
 
-# The engine create_app runs when given none: serve's 8 requests decoded together and the
-# machine's memory budget; no prefix cache.
-SERVED_ENGINE = EngineConfig(max_batch=8, memory_bytes=None)
+# The engine create_app runs when given none: serve's 8 requests decoded together, the
+# machine's memory budget and suffix drafts beside the head; no prefix cache.
+SERVED_ENGINE = EngineConfig(max_batch=8, memory_bytes=None, suffix_drafts=True)
 
 
 @dataclass(frozen=True)

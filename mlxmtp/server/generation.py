@@ -160,7 +160,7 @@ class Generation:
     def mtp_usage(self) -> dict:
         s = self.stats.as_dict() if self.stats is not None else {}
         return {k: s.get(k, 0) for k in ("drafted", "accepted", "acceptance", "acceptance_by_position",
-                                          "tokens_per_forward", "forwards", "depths")}
+                                          "tokens_per_forward", "forwards", "depths", "by_source")}
 
     def content(self) -> str:
         return "".join(v for k, v in self.pieces if k == "content")

@@ -30,19 +30,7 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Gauge(p + "queue_length", "Requests waiting for a batch slot or prefill.", registry=r)
         self.batch = Gauge(p + "batch_size", "Requests decoding together.", registry=r)
-        self.drafted = Counter(p + "mtp_drafted_tokens", "Tokens drafted by the MTP head.", registry=r)
-        self.accepted = Counter(p + "mtp_accepted_tokens", "Drafted tokens the model accepted.", registry=r)
-        self.drafted_pos = Counter(p + "mtp_drafted_by_position", "Drafts reached, by draft position.",
-                                   ["position"], registry=r)
-        self.accepted_pos = Counter(p + "mtp_accepted_by_position", "Drafts accepted, by draft position.",
-                                    ["position"], registry=r)
-        self.acceptance_pos = Gauge(p + "mtp_acceptance_by_position",
-                                    "Cumulative acceptance rate by draft position.", ["position"], registry=r)
-        self.depth = Counter(p + "mtp_depth_cycles", "Decode cycles by chosen draft depth.", ["depth"],
-                             registry=r)
-        self.depth_reason = Counter(p + "mtp_depth_decisions", "Decode cycles by depth and the reason the depth "
-                                    "policy gave for it.", ["depth", "reason"], registry=r)
-        self.last_depth = Gauge(p + "mtp_depth", "Draft depth chosen for the latest decode cycle.", registry=r)
+        self._add_drafting(p, r)
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised.", registry=r)
         self.cached_prompt_tokens = Counter(p + "cached_prompt_tokens", "Prompt tokens restored from the prefix "
                                             "cache instead of prefilled.", registry=r)
@@ -65,6 +53,27 @@ class Metrics:
         self.memory_preempted = Gauge(p + "memory_preempted_requests", "Running requests sent back to wait "
                                       "for memory, since the engine started.", registry=r)
         self._pos_totals: dict = {}
+
+    def _add_drafting(self, p: str, r: CollectorRegistry) -> None:
+        """The drafts: made and kept, by drafter and by position; cycles by depth and reason."""
+        self.drafted = Counter(p + "mtp_drafted_tokens", "Tokens drafted (the MTP head's and the suffix "
+                               "drafter's).", registry=r)
+        self.accepted = Counter(p + "mtp_accepted_tokens", "Drafted tokens the model accepted.", registry=r)
+        self.drafted_by = Counter(p + "drafted_tokens_by_source", "Tokens drafted, by drafter (mtp, suffix).",
+                                  ["source"], registry=r)
+        self.accepted_by = Counter(p + "accepted_tokens_by_source", "Drafted tokens accepted, by drafter.",
+                                   ["source"], registry=r)
+        self.drafted_pos = Counter(p + "mtp_drafted_by_position", "Drafts reached, by draft position.",
+                                   ["position"], registry=r)
+        self.accepted_pos = Counter(p + "mtp_accepted_by_position", "Drafts accepted, by draft position.",
+                                    ["position"], registry=r)
+        self.acceptance_pos = Gauge(p + "mtp_acceptance_by_position",
+                                    "Cumulative acceptance rate by draft position.", ["position"], registry=r)
+        self.depth = Counter(p + "mtp_depth_cycles", "Decode cycles by chosen draft depth.", ["depth"],
+                             registry=r)
+        self.depth_reason = Counter(p + "mtp_depth_decisions", "Decode cycles by depth and the reason the depth "
+                                    "policy gave for it.", ["depth", "reason"], registry=r)
+        self.last_depth = Gauge(p + "mtp_depth", "Draft depth chosen for the latest decode cycle.", registry=r)
 
     def watch_prefix_cache(self, current: Callable[[], Optional[PrefixCache]]) -> None:
         """Read the prefix cache's size and lookups at each scrape (not per decode step);
@@ -104,6 +113,9 @@ class Metrics:
         self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
+        for source, (d, a) in stats.by_source.items():
+            self.drafted_by.labels(source).inc(d)
+            self.accepted_by.labels(source).inc(a)
         for i, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position, strict=True)):
             pos = str(i + 1)
             self.drafted_pos.labels(pos).inc(d)

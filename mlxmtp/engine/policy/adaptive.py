@@ -122,6 +122,13 @@ class DepthPolicy(Policy):
         """E(k) per row for k = 0..max_depth, averaged over the rows' classes."""
         return self.accept.expected_tokens(optimistic, classes)
 
+    def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
+                       depths: Sequence[int]) -> Optional[Dict[int, float]]:
+        c = self._costs(cost_key(batch_size, classes)).costs([0, *depths])
+        if not c.get(0):
+            return None
+        return {k: v / c[0] for k, v in c.items() if v is not None}
+
     def _costs(self, key: Tuple[int, str]) -> CycleCosts:
         if key not in self.costs:
             self.costs[key] = CycleCosts(window=self.cfg.window)

@@ -47,6 +47,17 @@ class Policy:
         for a batch size, no for good: a distributed engine asks rank 0 only until then)."""
         return False
 
+    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> Optional[List[float]]:
+        """E(k) per row for k = 0..max_depth: the tokens a cycle of depth k yields (None:
+        no estimate; proposers/hybrid_plan.py then assumes one)."""
+        return None
+
+    def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
+                       depths: Sequence[int]) -> Optional[Dict[int, float]]:
+        """The cost of a cycle of each of `depths` relative to a plain one, where known (None:
+        nothing measured); depths past those measured priced by their trend."""
+        return None
+
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
         """Calibrated seconds per cycle of each depth at this batch size, for batches of
         this kind (`cost_kind`)."""

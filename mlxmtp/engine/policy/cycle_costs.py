@@ -144,6 +144,7 @@ def _line(points, c0: Optional[float], k: int) -> float:
         # One depth measured: half the per-draft increment from k = 0 to it (optimistic:
         # a verify grows sublinearly in its tokens); measuring another depth corrects it.
         return max(cd + (k - d) * max(cd - c0, 1e-9) / d * 0.5, 1e-9)
+    points = [(d, c, max(n, 1)) for d, c, n in points]  # a depth priced by priors alone counts once
     w = sum(n for _, _, n in points)
     mk = sum(n * d for d, _, n in points) / w
     mc = sum(n * c for _, c, n in points) / w

@@ -30,7 +30,7 @@ max(p - q, 0) normalised: p with x removed, renormalised (sampling/rejection.py)
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -55,11 +55,36 @@ def point_mass(tokens: mx.array, vocab_size: int) -> mx.array:
     return mx.where(hit, 0.0, -mx.inf).astype(mx.float32)
 
 
+# Why a cycle got its depth when a drafter lengthened it past the depth policy's choice.
+SUFFIX = "suffix match"
+
+
 class Proposer:
     """A draft source. Subclasses implement `propose`; the rest defaults to nothing to do."""
 
     # Can draft on top of a cycle not read yet (propose_unread, settle).
     pipelines: bool = False
+    source: str = ""  # its name in the stats and /metrics ("mtp", "suffix")
+
+    def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
+        """The next cycle's depth, given the depth policy's choice k for `rows`; `limit`:
+        the most drafts worth making (room left to the row with the most). A drafter that
+        may draft past the policy's depths (hybrid.py) decides here."""
+        return k
+
+    def why(self) -> Optional[str]:
+        """Why the planned depth differs from the policy's (None: it does not)."""
+        return None
+
+    def needs_host_tokens(self) -> bool:
+        """Whether the planned cycle needs every row's tokens on the host (the engine then
+        reads the cycle in flight first instead of drafting on top of it)."""
+        return not self.pipelines
+
+    def drafted(self, n_rows: int, k: int) -> List[Tuple[str, int]]:
+        """Per row of the cycle just proposed (of depth k): (source, drafts it made); the
+        rest of its k drafts were padding (stats, /metrics)."""
+        return [(self.source, k)] * n_rows
 
     def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
         """k drafts (k >= 1) for every row of `rows` (the Batch's rows, in order); `pick`

@@ -20,6 +20,7 @@ from .mtp_head import draft, draft_unread
 
 class MTPProposer(Proposer):
     pipelines = True  # the head drafts from a cycle's hidden states while still on the device
+    source = "mtp"
 
     def __init__(self, pieces: ModelPieces, plain_regime: Callable[[], bool]):
         self.pieces = pieces
@@ -35,13 +36,13 @@ class MTPProposer(Proposer):
     def propose_unread(self, batch, prev, k: int, pick: Picker) -> Drafts:
         """The head's pass over prev's hidden states (its unread tokens paired with them,
         the trim of what prev did not keep deferred to `settle`), then k chained drafts."""
-        _drop_chained_rows(batch, prev)
+        drop_chained_rows(batch, prev.k, len(prev.rows))
         p = self.pieces
         return Drafts(*draft_unread(p.head, p.vocab, batch.head_cache, prev.hidden, prev.tokens,
                                     prev.kept, k, pick, batch.head_width))
 
     def after_verify(self, batch, cycle, tokens: List[List[int]], consumed: List[int]) -> None:
-        _drop_chained_rows(batch, cycle)
+        drop_chained_rows(batch, cycle.k, len(cycle.rows))
         mtp_inputs.after_cycle(cycle.rows, cycle.hidden, tokens, consumed, cycle.k)
         if cycle.k == 0:
             p = self.pieces
@@ -52,7 +53,7 @@ class MTPProposer(Proposer):
         batch.head_cache.settle([bucket - 1 - n for n in kept])
 
 
-def _drop_chained_rows(batch, cycle) -> None:
+def drop_chained_rows(batch, k: int, n_rows: int) -> None:
     """Trim the rows the head wrote while chaining drafts 2..k (from its own guesses)."""
-    if batch.head_cache is not None and cycle.k > 1:
-        batch.head_cache.trim_rows([cycle.k - 1] * len(cycle.rows))
+    if batch.head_cache is not None and k > 1:
+        batch.head_cache.trim_rows([k - 1] * n_rows)

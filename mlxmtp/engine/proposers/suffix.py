@@ -20,14 +20,16 @@ shared index of recent outputs and its state is dropped.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from ..suffix_index import SharedOutputs, SuffixDrafter
+from ..suffix_index import Draft, SharedOutputs, SuffixDrafter
 from .base import Drafts, Picker, Proposer, point_mass
 
 SHARED_TOKENS = 1 << 18  # recent outputs kept for every request to draft from (16 bytes a token)
+_REMEMBERED = 4096  # requests whose share of the shared index is remembered (drop_absent)
 
 
 class _RowState:
@@ -40,18 +42,25 @@ class _RowState:
 
 class SuffixProposer(Proposer):
     pipelines = False  # drafts from the emitted tokens, read on the host
+    source = "suffix"
 
     def __init__(self, vocab_size: int, share: bool = True, shared_tokens: int = SHARED_TOKENS):
         self.vocab_size = vocab_size
         self.shared = SharedOutputs(shared_tokens) if share else None
         self.states: Dict[int, _RowState] = {}
+        # Request id -> output tokens it has added to the shared index, for the latest requests.
+        self._shared_upto: "OrderedDict[int, int]" = OrderedDict()
+
+    def proposal(self, row, max_len: int) -> Draft:
+        """What the row's tokens so far say comes next (at most max_len tokens, with the
+        estimated chance that each prefix is kept: suffix_index.Draft)."""
+        return self._sync(row).drafter.propose(max_len=max_len)
 
     def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
-        self._drop_absent({r.req.id for r in rows})
+        self.drop_absent({r.req.id for r in rows})
         out = []
         for row in rows:
-            state = self._sync(row)
-            draft = state.drafter.propose(max_len=k).tokens[:k]
+            draft = self.proposal(row, k).tokens[:k]
             out.append(draft + [draft[-1] if draft else row.tokens[-1]] * (k - len(draft)))
         tokens = mx.array(out, dtype=mx.int32)
         sampled = any(not r.sampler.params.greedy for r in rows)
@@ -73,7 +82,15 @@ class SuffixProposer(Proposer):
             state.held = len(row.tokens)
         return state
 
-    def _drop_absent(self, present: set) -> None:
-        """Requests no longer in the batch: their outputs go to the shared index."""
+    def drop_absent(self, present: set) -> None:
+        """Requests no longer in the batch: their outputs go to the shared index. A request
+        sent back to wait for memory (engine/memory.py) leaves and comes back: what it adds
+        when it leaves again is only what it wrote since (`_shared_upto`)."""
         for rid in [rid for rid in self.states if rid not in present]:
-            self.states.pop(rid).drafter.finish()
+            output = self.states.pop(rid).drafter.output()
+            start = self._shared_upto.pop(rid, 0)
+            if self.shared is not None and len(output) > start:
+                self.shared.add(output[start:])
+            self._shared_upto[rid] = len(output)
+            while len(self._shared_upto) > _REMEMBERED:
+                self._shared_upto.popitem(last=False)

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from ...mlxlm.sampling import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
-from ..limits import MAX_DRAFT_DEPTH
+from ..limits import MAX_CYCLE_DEPTH
 from .ops import (
     gumbel_rows,
     inverse_temperatures,
@@ -28,7 +28,7 @@ from .seeded import position_keys
 
 # The most tokens beyond a row's own that a context of a cycle built on it holds: a cycle
 # not read yet (its drafts and bonus token) and this cycle's drafts.
-CYCLE_REACH = 2 * (MAX_DRAFT_DEPTH + 1)
+CYCLE_REACH = 2 * (MAX_CYCLE_DEPTH + 1)
 
 
 class RowSampler:

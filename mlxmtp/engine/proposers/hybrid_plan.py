@@ -1,0 +1,150 @@
+"""How a hybrid cycle (proposers/hybrid.py) picks its depth and each row's draft source.
+
+With E_h(j) the head's expected tokens from a cycle of depth j (the depth policy's estimate,
+per row, 1 + sum of the chances each draft is kept), a row's suffix proposal expects
+E_s(K) = 1 + sum over i < K of min(1, f^(i+1) * probs[i]) from a cycle of depth K, where
+probs[i] is the suffix index's estimate that its first i + 1 tokens are kept and f
+(`Calibration`) scales each token's chance by what rows of the same acceptance class have
+actually kept. A cycle of depth K with the head at depth min(k, K) yields, per unit of cost,
+
+    rate(K) = sum over rows of max(E_h(min(k, K)), E_s(K)) / c(K),
+
+c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements,
+plain decoding = 1; `DEFAULT_SLOPE` per draft where it has none). The plan takes the K with
+the highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
+long draft may pay cut short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The
+head runs only if some row takes its drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence
+
+from ..state import acceptance_classes
+
+# The relative cost of each draft in a cycle where the policy has measured none: c(K) =
+# 1 + DEFAULT_SLOPE * K. Pessimistic for GPUs (a verify of a few tokens costs about one),
+# about right for CPUs, where the suffix must then be sure of long drafts to be chosen.
+DEFAULT_SLOPE = 0.5
+# The chance of each head draft being kept where the policy has no estimate.
+PRIOR_ACCEPT = 0.5
+# A depth other than the head's must beat it by this share: the suffix's estimates are
+# estimates, and a switch to a long verify must be worth it.
+MARGIN = 0.05
+# Suffix depths on shape-stable engines: a few verify shapes instead of one per length.
+SHAPE_BUCKETS = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class CyclePlan:
+    """One cycle's plan, made before the cycle in flight (if any) is read: rows are named by
+    request id, since rows may leave the batch in between."""
+
+    depth: int  # K: drafts verified per row this cycle
+    head_depth: int  # drafts the head chains (0: the head does not run)
+    suffix: Dict[int, List[float]]  # request id -> its suffix draft's probs (cut to the depth)
+    classes: Dict[int, Hashable]  # request id -> its acceptance class (rows drafting from the suffix)
+
+    def suffix_rows(self, rows: Sequence) -> List[bool]:
+        return [r.req.id in self.suffix for r in rows]
+
+
+def head_only(k: int) -> CyclePlan:
+    return CyclePlan(k, k, {}, {})
+
+
+class Calibration:
+    """Per acceptance class, the share of suffix draft tokens kept against the share the suffix
+    index predicted, over the tokens a verify reached (a draft rejected at its first token is
+    evidence about one token, not about the rest): the index assumes a continuation seen before
+    comes again, which sampling (a draft is kept with probability p(x)) and a model that writes
+    something else than what it read break. The evidence fades by `decay` every cycle, drafting
+    or not, so that a factor brought low recovers after a while (~1 / (1 - decay) cycles) and
+    the suffix is tried again: text that did not repeat then may repeat now."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 2.0):
+        self.decay, self.prior = decay, prior
+        self.kept: Dict[Hashable, float] = {}
+        self.predicted: Dict[Hashable, float] = {}
+
+    def factor(self, cls: Hashable) -> float:
+        return (self.kept.get(cls, 0.0) + self.prior) / (self.predicted.get(cls, 0.0) + self.prior)
+
+    def fade(self) -> None:
+        """One cycle passed."""
+        for table in (self.kept, self.predicted):
+            for cls in table:
+                table[cls] *= self.decay
+
+    def update(self, rows: Sequence, plan: CyclePlan, consumed: List[int]) -> None:
+        """consumed[b] - 1: drafts row b kept this cycle."""
+        for row, n in zip(rows, consumed):
+            probs = plan.suffix.get(row.req.id)
+            if probs:
+                kept = min(n - 1, len(probs))
+                reached = min(kept + 1, len(probs))
+                chances = [p / q if q > 0 else 0.0 for p, q in zip(probs, [1.0, *probs])]
+                cls = plan.classes[row.req.id]
+                self.kept[cls] = self.kept.get(cls, 0.0) + kept
+                self.predicted[cls] = self.predicted.get(cls, 0.0) + sum(chances[:reached])
+
+
+def expected(probs: Sequence[float], f: float, K: int) -> float:
+    """E_s(K): the tokens a cycle of depth K yields on a suffix draft with these probs."""
+    return 1.0 + sum(min(1.0, f ** (i + 1) * p) for i, p in enumerate(probs[:K]))
+
+
+def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int]) -> Dict[int, float]:
+    known = policy.relative_costs(batch_size, classes, depths) or {}
+    return {K: known.get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
+
+
+def _bucket(n: int, shape_stable: bool, cap: int) -> int:
+    if not shape_stable or n <= 4:
+        return n
+    return min(next((b for b in SHAPE_BUCKETS if b >= n), n), max(cap, 4))
+
+
+def _depths(k: int, proposals: Sequence, cap: int, shape_stable: bool) -> List[int]:
+    out = {k}
+    for p in proposals:
+        n = min(len(p.tokens), cap)
+        out |= {d for d in (1, 2, 4, 8, 16) if d < n} | {n} if n else set()
+    return sorted({_bucket(d, shape_stable, cap) for d in out})
+
+
+def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Calibration, cap: int,
+           shape_stable: bool = False) -> CyclePlan:
+    """The plan of one cycle (see the module docstring); proposals[b]: row b's suffix_index.Draft."""
+    if not any(p.tokens for p in proposals):
+        return head_only(k)
+    classes = acceptance_classes(rows)
+    e_head = _head_tokens(policy, classes, k)
+    f = [calibration.factor(c) for c in classes]
+    depths = _depths(k, proposals, cap, shape_stable)
+    costs = _costs(policy, len(rows), classes, depths)
+    best: Optional[tuple] = None
+    for K in depths:
+        h = e_head[min(k, K)]
+        per_row = [expected(p.probs, f[b], K) for b, p in enumerate(proposals)]
+        rate = sum(max(h, e) for e in per_row) / costs[K] / (1.0 if K == k else 1.0 + MARGIN)
+        if best is None or rate > best[0]:
+            best = (rate, K, [e > h for e in per_row])
+    _, K, suffix_rows = best
+    if not any(suffix_rows):
+        return head_only(k)
+    head_depth = min(k, K) if not all(suffix_rows) else 0
+    ids = [r.req.id for r in rows]
+    probs = {i: list(p.probs[:K]) for i, p, use in zip(ids, proposals, suffix_rows) if use}
+    return CyclePlan(K, head_depth, probs, {i: c for i, c in zip(ids, classes) if i in probs})
+
+
+def _head_tokens(policy, classes: List[Hashable], k: int) -> List[float]:
+    """E_h(j) for j = 0..k: the policy's estimates, else each draft kept with PRIOR_ACCEPT."""
+    e = policy.expected_tokens(classes=classes) if k else None
+    if e is not None and len(e) > k:
+        return list(e[: k + 1])
+    return [1.0 + sum(PRIOR_ACCEPT ** i for i in range(1, j + 1)) for j in range(k + 1)]
+
+

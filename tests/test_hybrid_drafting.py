@@ -1,0 +1,199 @@
+"""The MTP head and the suffix drafter in one cycle (engine/proposers/hybrid.py): greedy
+output stays mlx-lm's when long suffix drafts are kept, alone and in a batch whose other
+rows draft with the head; sampled rows keep the target's distribution; the stats say which
+drafter made what; and the plan picks the suffix only where it pays."""
+
+import json
+
+import pytest
+from engine_helpers import loaded, prompt_of, reference_greedy
+from test_sampling_exact import (  # noqa: F401  (pytest fixtures, used by name)
+    PARAMS,
+    N,
+    OracleDraftEngine,
+    _chi2_by_position,
+    chi2_quantile,
+    plain_samples,
+    tiny_vocab_model,
+)
+
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
+from mlxmtp.engine.generate import generate
+from mlxmtp.engine.policy.adaptive import DepthPolicy
+from mlxmtp.engine.policy.base import GREEDY
+from mlxmtp.engine.proposers import hybrid_plan
+from mlxmtp.engine.proposers.base import SUFFIX
+from mlxmtp.engine.proposers.hybrid import HybridProposer
+from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.engine.suffix_index import Draft
+from mlxmtp.models.demo import demo_model_path
+
+
+def _run(eng, reqs):
+    got, stats = {r.id: [] for r in reqs}, {}
+    for r in reqs:
+        eng.submit(r)
+    while eng.has_work:
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+            if ev.stats is not None:
+                stats[ev.request_id] = ev.stats.as_dict()
+    return [got[r.id] for r in reqs], [stats[r.id] for r in reqs]
+
+
+@pytest.mark.parametrize("num_draft", [None, 3])
+def test_the_demo_asked_again_is_drafted_by_the_suffix_and_stays_exact(num_draft):
+    """The demo model, its prompt, its own answer and the prompt again: it mostly writes
+    the answer again, which the suffix drafter finds in the prompt."""
+    model, tok, ref = loaded(str(demo_model_path()))
+    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    again = prompt + reference_greedy(ref, prompt, 96) + prompt
+    want = reference_greedy(ref, again, 96)
+    res = generate(model, tok, again, max_tokens=96, config=EngineConfig(num_draft=num_draft, suffix_drafts=True))
+    assert res.token_ids == want
+    s = res.stats.as_dict()
+    assert s["by_source"]["suffix"]["accepted"] >= 48, s["by_source"]
+    assert s["tokens_per_forward"] > 4 and max(s["depths"]) > 4, s
+    assert s["depth_reasons"].get(SUFFIX, 0) > 0
+    assert s["drafted"] == sum(v["drafted"] for v in s["by_source"].values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_6_moe"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_row_drafting_from_the_suffix_beside_rows_drafting_with_the_head(fixture_model, family, pipelined,
+                                                                           monkeypatch):
+    """A request asked a second time drafts its answer from the shared index of finished
+    outputs, in the same cycles as two other rows' head drafts padded to its depth; float32
+    fixtures: batched output equals mlx-lm's alone, bit for bit. Verifies priced as on a GPU
+    (a few percent a token: long drafts pay in a batch)."""
+    monkeypatch.setattr(hybrid_plan, "DEFAULT_SLOPE", 0.02)
+    model, tok, ref = loaded(str(fixture_model(family)["hf"]))
+    prompts = [prompt_of(11, seed=3), prompt_of(30, seed=4), prompt_of(5, seed=5)]
+    want = [reference_greedy(ref, p, 40) for p in prompts]
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=2, suffix_drafts=True, pipeline_drafts=pipelined,
+                                                  shape_stable=pipelined))
+    assert isinstance(eng.proposer, HybridProposer)
+    first, _ = _run(eng, [Request(prompt=prompts[0], max_tokens=40)])
+    got, stats = _run(eng, [Request(prompt=p, max_tokens=40) for p in prompts])
+    assert first == want[:1] and got == want
+    again = stats[0]["by_source"]
+    assert again["suffix"]["accepted"] >= 30, again  # most of the first answer
+    assert max(stats[0]["depths"]) > 2 and max(stats[1]["depths"]) > 2  # head rows padded past k
+    assert all(s["by_source"].get("mtp", {}).get("drafted", 0) > 0 for s in stats[1:])
+
+
+@pytest.mark.slow
+def test_sampled_rows_keep_the_target_distribution(tiny_vocab_model, plain_samples, monkeypatch):  # noqa: F811
+    """Rows sampling the same prompt: each draws suffix drafts from the outputs before it
+    (q a point mass) or head drafts (q the oracle's), mixed in one cycle; the tokens at
+    positions 1 and 2 are distributed as plain sampling's. Verifies priced as on a GPU
+    (a few percent a token) and the head's drafts as poor, so that suffix drafts are many."""
+    monkeypatch.setattr(hybrid_plan, "DEFAULT_SLOPE", 0.02)
+    model, tok = tiny_vocab_model
+    eng = OracleDraftEngine(model, tok, EngineConfig(num_draft=2, max_batch=64, prefix_cache_bytes=64 << 20,
+                                                     suffix_drafts=True))
+    eng.policy = _PoorHead(fixed=2)
+    reqs = [Request(prompt=[5, 17, 42, 9, 33, 2], max_tokens=8, params=SamplingParams(**PARAMS, seed=5 * N + s))
+            for s in range(N)]
+    got, stats = _run(eng, reqs)
+    by_source = [s["by_source"] for s in stats]
+    assert sum(s.get("suffix", {}).get("drafted", 0) for s in by_source) > N
+    assert sum(s.get("suffix", {}).get("accepted", 0) for s in by_source) > N // 10
+    for stat, dof in _chi2_by_position(plain_samples, got):
+        assert stat < chi2_quantile(dof), (stat, dof)
+
+
+class _PoorHead(DepthPolicy):
+    def expected_tokens(self, optimistic=False, classes=(None,)):
+        return [1.0 + 0.05 * j for j in range(self.max_depth + 1)]
+
+
+class _Policy:
+    """Scripted estimates: each head draft kept with probability `a`; cycle costs 1 + slope*k."""
+
+    def __init__(self, a=0.8, slope=0.1):
+        self.a, self.slope = a, slope
+
+    def expected_tokens(self, optimistic=False, classes=(None,)):
+        return [sum(self.a ** i for i in range(j + 1)) for j in range(5)]
+
+    def relative_costs(self, batch_size, classes, depths):
+        return {k: 1 + self.slope * k for k in depths}
+
+
+class _Row:
+    def __init__(self, i, greedy=True):
+        self.req = Request(prompt=[1], max_tokens=100)
+        self.req.id = i
+        self.sampler = type("S", (), {"params": SamplingParams(temperature=0 if greedy else 0.7),
+                                      "reproducible": False})()
+
+
+def _draft(n, p):
+    return Draft(list(range(n)), [p ** (i + 1) for i in range(n)], n)
+
+
+def test_the_plan_takes_the_suffix_only_where_it_pays():
+    rows, cal = [_Row(1), _Row(2)], hybrid_plan.Calibration()
+    # A sure 16-token draft for row 1: the cycle goes to 16, row 2 keeps the head's drafts.
+    plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32)
+    assert plan.depth == 16 and plan.head_depth == 3 and plan.suffix_rows(rows) == [True, False]
+    # Where a verify costs about a token a draft (a CPU), a doubtful long draft does not pay.
+    plan = hybrid_plan.choose(3, rows, [_draft(16, 0.7), _draft(16, 0.7)], _Policy(slope=1.0), cal, 32)
+    assert plan.depth == 3 and not plan.suffix
+    # Every row on the suffix: the head does not run; on shape-stable caches, a bucket.
+    plan = hybrid_plan.choose(3, rows, [_draft(11, 0.99), _draft(11, 0.99)], _Policy(), cal, 32, shape_stable=True)
+    assert plan.depth in hybrid_plan.SHAPE_BUCKETS and plan.head_depth == 0
+    # A draft rejected at its first token is evidence about that token alone; drafts that
+    # keep failing bring the class's factor down, and it recovers as cycles pass.
+    cal.update(rows[:1], plan, [1, 1])
+    assert 0.6 < cal.factor(GREEDY) < 0.7
+    for _ in range(5):
+        cal.update(rows[:1], plan, [1, 1])
+    assert cal.factor(GREEDY) < 0.3
+    for _ in range(200):
+        cal.fade()
+    assert cal.factor(GREEDY) > 0.9
+
+
+def _asked_again(tok, ref, n):
+    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    return prompt + reference_greedy(ref, prompt, n) + prompt
+
+
+def test_generate_drafts_from_the_suffix_unless_told_not_to():
+    from click.testing import CliRunner
+
+    from mlxmtp.commands.main import main
+
+    _, tok, ref = loaded(str(demo_model_path()))
+    text = tok.decode(_asked_again(tok, ref, 64))
+    by_source = {}
+    for flag in ("--suffix", "--no-suffix"):
+        res = CliRunner().invoke(main, ["generate", "--prompt", text, "--no-chat-template", "--max-tokens", "48",
+                                        "--json", flag])
+        assert res.exit_code == 0, res.output
+        by_source[flag] = json.loads(res.stdout.strip().splitlines()[-1])["stats"]["by_source"]
+    assert by_source["--suffix"]["suffix"]["accepted"] > 24, by_source
+    assert "suffix" not in by_source["--no-suffix"], by_source
+
+
+def test_the_server_reports_drafts_by_source_in_usage_and_metrics():
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_helpers import ServerThread
+
+    from mlxmtp.server.app import create_app
+
+    model, tok, ref = loaded(str(demo_model_path()))
+    with ServerThread(create_app(model, tok)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": _asked_again(tok, ref, 64), "max_tokens": 48, "temperature": 0}).json()
+        usage = r["usage"]["mtp"]["by_source"]
+        assert usage["suffix"]["accepted"] > 24, usage
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    samples = {s.labels["source"]: s.value for s in fams["mlxmtp_drafted_tokens_by_source"].samples
+               if s.name.endswith("_total")}
+    assert samples["suffix"] == usage["suffix"]["drafted"]
