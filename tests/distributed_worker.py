@@ -2,7 +2,7 @@
 its share of MODEL and runs the distributed engine; rank 0 prints one JSON object.
 
   greedy: for each of DEPTHS (k = 0..4 and adaptive), batch 1 and 4: the tokens of PROMPTS;
-          with JOBS (a JSON list of {model, prompts, max_tokens, depths}), each job in turn
+          with JOBS (a JSON list of {model, prompts, max_tokens, depths[, batches]}), each job in turn
           on the ranks of one launch
   sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
   disagree: as greedy, but rank 1 pretends to have decoded something else (a machine whose
@@ -48,14 +48,14 @@ def run(engine, batches):
     return out
 
 
-def greedy(group, model, tok, prompts, max_tokens, depths):
+def greedy(group, model, tok, prompts, max_tokens, depths, batches=(1, 4)):
     out = {}
     for k in depths:
-        for batch in (1, 4):
+        for batch in batches:
             engine = DistributedEngine(model, tok, EngineConfig(num_draft=k), group=group, dist_timeout=120)
             requests = [Request(prompt=p, max_tokens=max_tokens) for p in prompts]
-            batches = [requests[i : i + batch] for i in range(0, len(requests), batch)]
-            out[f"k={'adaptive' if k is None else k}/B={batch}"] = run(engine, batches)
+            groups = [requests[i : i + batch] for i in range(0, len(requests), batch)]
+            out[f"k={'adaptive' if k is None else k}/B={batch}"] = run(engine, groups)
     return out
 
 
@@ -95,7 +95,8 @@ def main():
         layers.append([r.layers for r in plan.ranks])
         if a.job in ("greedy", "disagree"):
             depths = [None if d == "adaptive" else int(d) for d in job["depths"].split(",")]
-            results.append(greedy(group, model, tok, job["prompts"], job["max_tokens"], depths))
+            results.append(greedy(group, model, tok, job["prompts"], job["max_tokens"], depths,
+                                  job.get("batches", (1, 4))))
         else:
             results.append(sample(group, model, tok, a.n, a.seed0, a.temperature))
     if group.rank() == 0:

@@ -363,7 +363,7 @@ def test_time_spent_elsewhere_between_steps_is_left_out_when_the_caller_says_so(
     for skip in (False, True):
         eng = BatchGenerator(model, tok)
         eng.policy = _Scripted([2] * 6 + [0] * 8)
-        eng.submit(Request(prompt=prompt_of(12), max_tokens=30))
+        eng.submit(Request(prompt=prompt_of(12), max_tokens=18))
         while eng.has_work:
             eng.step()
             time.sleep(0.25)  # the caller's other work

@@ -95,7 +95,7 @@ def test_sampled_rows_keep_the_target_distribution(tiny_vocab_model, plain_sampl
     eng = OracleDraftEngine(model, tok, EngineConfig(num_draft=2, max_batch=64, prefix_cache_bytes=64 << 20,
                                                      suffix_drafts=True))
     eng.policy = _PoorHead(fixed=2)
-    reqs = [Request(prompt=[5, 17, 42, 9, 33, 2], max_tokens=8, params=SamplingParams(**PARAMS, seed=5 * N + s))
+    reqs = [Request(prompt=[5, 17, 42, 9, 33, 2], max_tokens=5, params=SamplingParams(**PARAMS, seed=5 * N + s))
             for s in range(N)]
     got, stats = _run(eng, reqs)
     by_source = [s["by_source"] for s in stats]
@@ -197,3 +197,18 @@ def test_the_server_reports_drafts_by_source_in_usage_and_metrics():
     samples = {s.labels["source"]: s.value for s in fams["mlxmtp_drafted_tokens_by_source"].samples
                if s.name.endswith("_total")}
     assert samples["suffix"] == usage["suffix"]["drafted"]
+
+
+def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
+    reach, row = hybrid_plan.Reach(), _Row(1)
+    plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: GREEDY})
+    assert reach.get(1) == hybrid_plan.FIRST_REACH == 8
+    reach.update([row], plan, [9])  # all 8 kept
+    assert reach.get(1) == 16
+    reach.update([row], plan, [3])  # 2 kept: as it was
+    assert reach.get(1) == 16
+    for want in (8, 4, 4):  # the first draft rejected
+        reach.update([row], plan, [1])
+        assert reach.get(1) == want
+    reach.forget_absent(set())
+    assert reach.get(1) == 8

@@ -39,9 +39,9 @@ def fixture_tok(server_model):
 
 def matcher(tok, forced, xml):
     structured_output.serve_tokenizer(tok, 320)
-    end = structured_output._added_token(tool_grammar.END)
+    end = structured_output.added_token(tool_grammar.END)
     text, _ = tool_grammar.call_grammar(TOOLS, forced, xml, end)
-    return structured_output._matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
+    return structured_output.new_matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
 
 
 @pytest.mark.parametrize("xml,forced,good,bad", [
@@ -67,12 +67,12 @@ def test_the_grammar_takes_calls_of_the_schema_and_refuses_others(fixture_tok, x
 def test_a_function_without_parameters_is_called_with_none(fixture_tok):
     """OpenAI: a function defined without `parameters` has an empty parameter list."""
     structured_output.serve_tokenizer(fixture_tok, 320)
-    end = structured_output._added_token(tool_grammar.END)
+    end = structured_output.added_token(tool_grammar.END)
     tools = [{"type": "function", "function": {"name": "get_goal", "description": "Read the goal."}}]
     text, _ = tool_grammar.call_grammar(tools, "required", False, end)
     for call, whole in (('{"name": "get_goal", "arguments": {}}\n</tool_call>', True),
                         ('{"name": "get_goal", "arguments": {"x": 1}}\n</tool_call>', False)):
-        m = structured_output._matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
+        m = structured_output.new_matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
         ids = fixture_tok.encode(call, add_special_tokens=False)
         assert (m.try_consume_tokens(ids) == len(ids) and m.is_accepting()) == whole, call
 

@@ -65,10 +65,10 @@ def calls_in(tok, ids, trigger, end):
 def keep_served():
     """The tokenizer grammars are compiled for (one a process: the demo servers' here) is
     served again after the test."""
-    saved = dict(structured_output._MODEL)
+    saved = dict(structured_output.SERVED_MODEL)
     yield
-    structured_output._MODEL.clear()
-    structured_output._MODEL.update(saved)
+    structured_output.SERVED_MODEL.clear()
+    structured_output.SERVED_MODEL.update(saved)
 
 
 @pytest.fixture()
@@ -80,8 +80,8 @@ def fixture_served(server_model, keep_served):
 
 
 def lazy_processor(tok, prompt_len, xml, free=(), in_think=False):
-    end = structured_output._added_token(tool_grammar.END)
-    trigger = structured_output._added_token("<tool_call>")
+    end = structured_output.added_token(tool_grammar.END)
+    trigger = structured_output.added_token("<tool_call>")
     text, _ = tool_grammar.call_grammar(TOOLS, "required", xml, end, lazy=True, free=free)
     grammar = llguidance.LLMatcher.grammar_from_lark(text)
     think = call_hold.think_token_ids(tok)
@@ -97,11 +97,11 @@ def lazy_processor(tok, prompt_len, xml, free=(), in_think=False):
 ])
 def test_a_lazy_grammar_holds_only_the_tools_it_is_asked_to(fixture_served, xml, free_call):
     tok = fixture_served
-    end = structured_output._added_token(tool_grammar.END)
+    end = structured_output.added_token(tool_grammar.END)
 
     def takes(text, free):
         grammar, _ = tool_grammar.call_grammar(TOOLS, "required", xml, end, lazy=True, free=free)
-        m = structured_output._matcher(llguidance.LLMatcher.grammar_from_lark(grammar), (tool_grammar.END,))
+        m = structured_output.new_matcher(llguidance.LLMatcher.grammar_from_lark(grammar), (tool_grammar.END,))
         ids = tok.encode(text, add_special_tokens=False)
         return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
 
@@ -123,7 +123,7 @@ def test_under_the_flag_a_schema_it_cannot_hold_leaves_that_tool_free(fixture_se
     for _ in range(300):
         deep = {"type": "object", "properties": {"a": deep}}
     tools = [TOOLS[0], {"type": "function", "function": {"name": "clock", "parameters": deep}}]
-    end = structured_output._added_token(tool_grammar.END)
+    end = structured_output.added_token(tool_grammar.END)
     _, matcher = call_hold._call_grammar(tools, {}, True, False, end, (tool_grammar.END,))
 
     def takes(text):
@@ -137,7 +137,7 @@ def test_under_the_flag_a_schema_it_cannot_hold_leaves_that_tool_free(fixture_se
 
 def test_the_processor_holds_calls_only_and_follows_rolled_back_contexts(fixture_served):
     tok = fixture_served
-    trigger, end = (structured_output._added_token(t) for t in ("<tool_call>", tool_grammar.END))
+    trigger, end = (structured_output.added_token(t) for t in ("<tool_call>", tool_grammar.END))
     think_start, think_end = call_hold.think_token_ids(tok)
     prompt = prompt_of(7)
     call = tok.encode('\n{"name": "clock", "arguments": {"zone": "UTC"}}\n', add_special_tokens=False) + [end]
@@ -170,7 +170,7 @@ def test_the_processor_holds_calls_only_and_follows_rolled_back_contexts(fixture
 # ------------------------------------------------------------------ exact under MTP
 def mlx_lm_held(ref, tok, prompt, xml, n=300):
     """mlx-lm's own greedy decoding with the same processors: the ground truth."""
-    trigger, end = (structured_output._added_token(t) for t in ("<tool_call>", tool_grammar.END))
+    trigger, end = (structured_output.added_token(t) for t in ("<tool_call>", tool_grammar.END))
     procs = [opener(len(prompt), trigger, end), lazy_processor(tok, len(prompt), xml)]
     out = []
     for t, _ in generate_step(mx.array(prompt), ref, max_tokens=n, logits_processors=procs):
@@ -185,7 +185,7 @@ def mlx_lm_held(ref, tok, prompt, xml, n=300):
 def test_held_calls_equal_mlx_lm_at_every_depth_and_acceptance_length(fixture_model, fixture_served, xml):
     model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
     structured_output.serve_tokenizer(tok, 320)
-    trigger, end = (structured_output._added_token(t) for t in ("<tool_call>", tool_grammar.END))
+    trigger, end = (structured_output.added_token(t) for t in ("<tool_call>", tool_grammar.END))
     prompt = prompt_of(19, seed=3)
     want = mlx_lm_held(ref, tok, prompt, xml)
     calls = calls_in(tok, want, trigger, end)

@@ -19,11 +19,11 @@ from . import tool_grammar
 from .errors import APIError
 from .grammar_mask import GrammarProcessor
 from .structured_output import (
-    _MODEL,
-    _added_token,
-    _matcher,
-    _pattern_error,
+    SERVED_MODEL,
+    added_token,
     compile_schema,
+    new_matcher,
+    pattern_error,
 )
 from .thinking_budget import think_token_ids
 from .tool_parsers import TOOL_CALL_START
@@ -35,7 +35,7 @@ def check_strict(tools: List[dict], strict: Dict[str, str]) -> None:
     What is asked of a strict schema beyond that (additionalProperties false, every
     property required) is the client's to write, as with OpenAI. Outcomes are kept per
     schema: an agent sends the same tools with every request."""
-    checked = _MODEL.setdefault("strict_checked", {})
+    checked = SERVED_MODEL.setdefault("strict_checked", {})
     for name, params in tool_grammar.functions(tools):
         if name not in strict:
             continue
@@ -63,11 +63,11 @@ def hold_calls(req, tok, prompt, tools: List[dict], strict: Dict[str, str], cons
 
     An agent sends the same tools with every request: the grammar compiled for them (30 ms
     for 30 tools) is kept, and each request holds its calls with a copy of its matcher."""
-    trigger, end = _added_token(TOOL_CALL_START), _added_token(tool_grammar.END)
+    trigger, end = added_token(TOOL_CALL_START), added_token(tool_grammar.END)
     if trigger is None or end is None:
         return
     xml, keep = tool_grammar.is_xml(tok), (tool_grammar.END,)
-    compiled = _MODEL.setdefault("call_grammars", {})
+    compiled = SERVED_MODEL.setdefault("call_grammars", {})
     key = json.dumps([tools, sorted(strict), constrain, xml], sort_keys=True)
     if key not in compiled:
         if len(compiled) >= 16:
@@ -91,8 +91,8 @@ def _call_grammar(tools: List[dict], strict: Dict[str, str], constrain: bool, xm
         try:
             text, regexes = tool_grammar.call_grammar(tools, "required", xml, end, lazy=True, free=free)
             grammar = llguidance.LLMatcher.grammar_from_lark(text)
-            matcher = _matcher(grammar, keep)
-            error = matcher.get_error() if matcher.is_error() else next(filter(None, map(_pattern_error, regexes)), "")
+            matcher = new_matcher(grammar, keep)
+            error = matcher.get_error() if matcher.is_error() else next(filter(None, map(pattern_error, regexes)), "")
         except APIError as e:  # a schema past the bounds
             error = e.message
         if not error:
@@ -116,8 +116,8 @@ def _unholdable(tools: List[dict], xml: bool, end: int, names: set) -> set:
             continue
         try:
             text, regexes = tool_grammar.call_grammar([t], "required", xml, end, lazy=True)
-            matcher = _matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
-            if matcher.is_error() or any(map(_pattern_error, regexes)):
+            matcher = new_matcher(llguidance.LLMatcher.grammar_from_lark(text), (tool_grammar.END,))
+            if matcher.is_error() or any(map(pattern_error, regexes)):
                 out.add(name)
         except APIError:
             out.add(name)
@@ -127,7 +127,7 @@ def _unholdable(tools: List[dict], xml: bool, end: int, names: set) -> set:
 def call_processor(grammar: str, prompt_len: int, ids: List[Optional[int]], in_think: bool,
                    keep: Tuple[str, ...] = ()) -> "CallProcessor":
     """The processor of a lazy call grammar compiled here (how another rank rebuilds it)."""
-    return _call_processor(grammar, _matcher(grammar, keep), prompt_len, ids, in_think, keep)
+    return _call_processor(grammar, new_matcher(grammar, keep), prompt_len, ids, in_think, keep)
 
 
 def _call_processor(grammar: str, matcher, prompt_len: int, ids: List[Optional[int]], in_think: bool,

@@ -34,14 +34,14 @@ from .grammar_mask import GrammarProcessor, allowed_tokens
 
 # The model served in this process (one per process): its tokenizer and vocabulary, for
 # the matchers of every rank of a distributed server (see `serve_tokenizer`).
-_MODEL: dict = {}
+SERVED_MODEL: dict = {}
 
 
 def serve_tokenizer(tok, vocab_size: int) -> None:
     """Name the tokenizer the grammars of this process are compiled for (the server and
     every rank following it call this at start-up)."""
-    _MODEL.clear()
-    _MODEL.update(tok=tok, vocab_size=vocab_size)
+    SERVED_MODEL.clear()
+    SERVED_MODEL.update(tok=tok, vocab_size=vocab_size)
 
 
 def _ll_tokenizer(keep: Tuple[str, ...] = ()):
@@ -56,21 +56,21 @@ def _ll_tokenizer(keep: Tuple[str, ...] = ()):
     grammar names as the token the model ends a call with (tool_grammar.py)."""
     from llguidance import LLTokenizer  # on use: only requests with a format need it
 
-    if ("compiled", keep) not in _MODEL:
-        tok = _MODEL["tok"]
+    if ("compiled", keep) not in SERVED_MODEL:
+        tok = SERVED_MODEL["tok"]
         backend = copy.copy(tok._tokenizer.backend_tokenizer)
         backend.no_padding()
         backend.no_truncation()
         spec = json.loads(backend.to_str())
         spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special") or t["content"] in keep]
-        _MODEL["compiled", keep] = LLTokenizer(json.dumps(spec), n_vocab=_MODEL["vocab_size"],
+        SERVED_MODEL["compiled", keep] = LLTokenizer(json.dumps(spec), n_vocab=SERVED_MODEL["vocab_size"],
                                                eos_token=sorted(tok.eos_token_ids))
-    return _MODEL["compiled", keep]
+    return SERVED_MODEL["compiled", keep]
 
 
-def _added_token(text: str) -> Optional[int]:
+def added_token(text: str) -> Optional[int]:
     """The id of the served tokenizer's added token `text` (Qwen's `</tool_call>`), if any."""
-    return next((i for i, t in _MODEL["tok"]._tokenizer.added_tokens_decoder.items() if t.content == text), None)
+    return next((i for i, t in SERVED_MODEL["tok"]._tokenizer.added_tokens_decoder.items() if t.content == text), None)
 
 
 def requested_schema(fmt, where: str) -> Optional[dict]:
@@ -138,7 +138,7 @@ def compile_schema(schema: dict, where: str):
     regexes = schema_limits.check_bounds(schema, where)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(without_no_ops(schema), defaults=_OPTIONS)
-        matcher = _matcher(grammar)
+        matcher = new_matcher(grammar)
         error, warnings = (matcher.get_error() if matcher.is_error() else ""), matcher.get_grammar_warnings()
     except Exception as e:  # noqa: BLE001 - llguidance reports some bad schemas by raising
         error, warnings = str(e) or type(e).__name__, []
@@ -147,7 +147,7 @@ def compile_schema(schema: dict, where: str):
     if not error and unenforced:
         error = "JSON Schema keywords this server cannot enforce: " + ", ".join(unenforced)
     if not error:
-        error = next(filter(None, map(_pattern_error, regexes)), "")
+        error = next(filter(None, map(pattern_error, regexes)), "")
     if not error and not _anything_allowed(matcher):
         error = "no JSON value satisfies this schema"
     if error:
@@ -155,7 +155,7 @@ def compile_schema(schema: dict, where: str):
     return grammar, matcher
 
 
-def _matcher(grammar: str, keep: Tuple[str, ...] = (), limits=None):
+def new_matcher(grammar: str, keep: Tuple[str, ...] = (), limits=None):
     """A matcher of `grammar` for the served tokenizer (see _ll_tokenizer), compiled on a
     large stack; `limits`: llguidance's LLParserLimits, or its defaults."""
     import llguidance  # on use, as above
@@ -164,7 +164,7 @@ def _matcher(grammar: str, keep: Tuple[str, ...] = (), limits=None):
     return schema_limits.on_large_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, limits=limits))
 
 
-def _pattern_error(regex: str) -> str:
+def pattern_error(regex: str) -> str:
     """Why llguidance's lexer cannot hold JSON strings to `regex` ("" if it can). Its lexer
     builds a pattern's states when a string opens, not when the schema compiles: a pattern
     such as ^(x{1000}){1000}$ compiles, then fails at the first quote and would leave the
@@ -175,18 +175,18 @@ def _pattern_error(regex: str) -> str:
     import llguidance  # on use, as above
 
     grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": regex})
-    matcher = _matcher(grammar, limits=llguidance.LLParserLimits(initial_lexer_fuel=200_000))
-    quote = _MODEL["tok"].encode('"', add_special_tokens=False)
-    allowed_tokens(matcher, _MODEL["vocab_size"])  # where the lexer starts its work
+    matcher = new_matcher(grammar, limits=llguidance.LLParserLimits(initial_lexer_fuel=200_000))
+    quote = SERVED_MODEL["tok"].encode('"', add_special_tokens=False)
+    allowed_tokens(matcher, SERVED_MODEL["vocab_size"])  # where the lexer starts its work
     matcher.try_consume_tokens(quote)
-    allowed_tokens(matcher, _MODEL["vocab_size"])
+    allowed_tokens(matcher, SERVED_MODEL["vocab_size"])
     return f"pattern {regex[:80]!r}: {matcher.get_error().splitlines()[0]}" if matcher.is_error() else ""
 
 
 def _anything_allowed(matcher) -> bool:
     """Whether the grammar lets the answer start: some token other than the end of text."""
-    allowed = np.flatnonzero(allowed_tokens(matcher, _MODEL["vocab_size"])).tolist()
-    return bool(set(allowed) - set(_MODEL["tok"].eos_token_ids))
+    allowed = np.flatnonzero(allowed_tokens(matcher, SERVED_MODEL["vocab_size"])).tolist()
+    return bool(set(allowed) - set(SERVED_MODEL["tok"].eos_token_ids))
 
 
 def hold_to_schema(req, tok, schema: dict, where: str, in_think: bool) -> None:
@@ -204,12 +204,12 @@ def hold_forced_call(req, tok, prompt) -> None:
     be enforced at all (past the bounds, not compiled, a pattern the lexer gives up on)."""
     import llguidance  # on use, as above
 
-    end = _added_token(tool_grammar.END)
+    end = added_token(tool_grammar.END)
     keep = (tool_grammar.END,) if end is not None else ()
     text, regexes = tool_grammar.call_grammar(prompt.tools, prompt.forced, tool_grammar.is_xml(tok), end)
     grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    matcher = _matcher(grammar, keep)
-    error = matcher.get_error() if matcher.is_error() else next(filter(None, map(_pattern_error, regexes)), "")
+    matcher = new_matcher(grammar, keep)
+    error = matcher.get_error() if matcher.is_error() else next(filter(None, map(pattern_error, regexes)), "")
     if error:
         raise APIError(400, f"'tools': the forced call cannot be held to the tools' schemas: {error}", param="tools")
     req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), None, keep))
@@ -219,7 +219,7 @@ def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[
                       keep: Tuple[str, ...] = ()) -> GrammarProcessor:
     """The processor of a grammar compiled here (how another rank rebuilds it); `keep`:
     see _ll_tokenizer."""
-    return _processor(grammar, _matcher(grammar, keep), prompt_len, opens_after, keep)
+    return _processor(grammar, new_matcher(grammar, keep), prompt_len, opens_after, keep)
 
 
 def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]],

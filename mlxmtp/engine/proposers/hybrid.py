@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
-from .hybrid_plan import Calibration, CyclePlan, choose, head_only
+from .hybrid_plan import Calibration, CyclePlan, Reach, choose, head_only
 from .mtp import MTPProposer, drop_chained_rows
 from .suffix import SuffixProposer
 
@@ -42,18 +42,21 @@ class HybridProposer(Proposer):
         # buckets (hybrid_plan.SHAPE_BUCKETS).
         self.shape_stable = shape_stable
         self.calibration = Calibration()
+        self.reach = Reach()
         self.plan_: CyclePlan = head_only(0)
         self.drafts_made: List[Tuple[str, int]] = []  # the last cycle's, per row (`drafted`)
 
     # ------------------------------------------------------------ the plan
     def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
-        self.suffix.drop_absent({r.req.id for r in rows})
+        present = {r.req.id for r in rows}
+        self.suffix.drop_absent(present)
+        self.reach.forget_absent(present)
         self.calibration.fade()
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if cap == 0 or any(r.req.num_draft is not None for r in rows):  # a pinned depth is the head's
             self.plan_ = head_only(k)
             return k
-        proposals = [self.suffix.proposal(r, cap) for r in rows]
+        proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) for r in rows]
         self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable())
         return self.plan_.depth
 
@@ -100,6 +103,7 @@ class HybridProposer(Proposer):
             self.head.after_verify(batch, cycle, tokens, consumed)
             return
         self.calibration.update(cycle.rows, plan, consumed)
+        self.reach.update(cycle.rows, plan, consumed)
         if plan.head_depth:  # the head consumed the rows' pending inputs: the verify's states follow
             drop_chained_rows(batch, plan.head_depth, len(cycle.rows))
             mtp_inputs.after_cycle(cycle.rows, cycle.hidden, tokens, consumed, plan.head_depth)

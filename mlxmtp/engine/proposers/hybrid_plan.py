@@ -32,6 +32,8 @@ PRIOR_ACCEPT = 0.5
 # A depth other than the head's must beat it by this share: the suffix's estimates are
 # estimates, and a switch to a long verify must be worth it.
 MARGIN = 0.05
+# A row's suffix drafts at first, and at the least after failures (`Reach`).
+FIRST_REACH, MIN_REACH = 8, 4
 # Suffix depths on shape-stable engines: a few verify shapes instead of one per length.
 SHAPE_BUCKETS = (8, 16, 32)
 
@@ -88,6 +90,34 @@ class Calibration:
                 cls = plan.classes[row.req.id]
                 self.kept[cls] = self.kept.get(cls, 0.0) + kept
                 self.predicted[cls] = self.predicted.get(cls, 0.0) + sum(chances[:reached])
+
+
+class Reach:
+    """How long a suffix draft each row may get: FIRST_REACH tokens at first, twice as many
+    after a draft kept whole, half as many (at least MIN_REACH) after one rejected at its first
+    token. Where a verify costs about a token a draft (a CPU), a long draft that fails costs
+    many steps, and whether the model copies this text is known only once it has."""
+
+    def __init__(self):
+        self.of: Dict[int, int] = {}  # request id -> its reach
+
+    def get(self, request_id: int) -> int:
+        return self.of.get(request_id, FIRST_REACH)
+
+    def forget_absent(self, present: set) -> None:
+        for rid in [rid for rid in self.of if rid not in present]:
+            del self.of[rid]
+
+    def update(self, rows: Sequence, plan: CyclePlan, consumed: List[int]) -> None:
+        for row, n in zip(rows, consumed):
+            probs = plan.suffix.get(row.req.id)
+            if probs:
+                reach = self.get(row.req.id)
+                if n - 1 >= len(probs):
+                    reach *= 2
+                elif n == 1:
+                    reach = max(MIN_REACH, reach // 2)
+                self.of[row.req.id] = reach
 
 
 def expected(probs: Sequence[float], f: float, K: int) -> float:
