@@ -84,10 +84,8 @@ def ant(server):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml): one worker per core and one more, at most four, as each
-    worker holds its own MLX runtime, fixture models and servers in memory (`-n 0` runs in one
-    process). The one more keeps the cores busy while a worker waits: on its servers' and
-    subprocesses' answers (the CLI, two ranks of mlx.launch) and in tests that sleep."""
+    """`-n auto` (pyproject.toml): one worker per core, at most four, as each worker holds its
+    own MLX runtime, fixture models and servers in memory (`-n 0` runs in one process)."""
     import os
 
-    return max(1, min(4, (os.cpu_count() or 1) + 1))
+    return max(1, min(4, os.cpu_count() or 1))
