@@ -20,6 +20,7 @@ cycles pipeline as the head alone does.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -45,6 +46,7 @@ class HybridProposer(Proposer):
         self.reach = Reach()
         self.plan_: CyclePlan = head_only(0)
         self.drafts_made: List[Tuple[str, int]] = []  # the last cycle's, per row (`drafted`)
+        self.suffix_ids: set = set()  # the requests whose last drafts were the suffix's
 
     # ------------------------------------------------------------ the plan
     def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
@@ -80,6 +82,7 @@ class HybridProposer(Proposer):
         own = [s and (bool(d) or head is None) for d, s in zip(fresh, plan.suffix_rows(rows))]
         self.drafts_made = [(self.suffix.source, len(d)) if o else (self.head.source, plan.head_depth if head else 0)
                             for d, o in zip(fresh, own)]
+        self.suffix_ids = {r.req.id for r, o, d in zip(rows, own, fresh) if o and d}
         tokens = _assemble(fresh, own, head, rows, k)
         if all(r.sampler.params.greedy for r in rows):
             return Drafts(tokens, None)
@@ -102,8 +105,11 @@ class HybridProposer(Proposer):
         if cycle.k == 0 or not plan.suffix:
             self.head.after_verify(batch, cycle, tokens, consumed)
             return
-        self.calibration.update(cycle.rows, plan, consumed)
-        self.reach.update(cycle.rows, plan, consumed)
+        # What the calibration and the rows' reach learn from: the rows whose drafts were the
+        # suffix's (a planned one that found none drafted with the head).
+        learned = replace(plan, suffix={i: p for i, p in plan.suffix.items() if i in self.suffix_ids})
+        self.calibration.update(cycle.rows, learned, consumed)
+        self.reach.update(cycle.rows, learned, consumed)
         if plan.head_depth:  # the head consumed the rows' pending inputs: the verify's states follow
             drop_chained_rows(batch, plan.head_depth, len(cycle.rows))
             mtp_inputs.after_cycle(cycle.rows, cycle.hidden, tokens, consumed, plan.head_depth)
