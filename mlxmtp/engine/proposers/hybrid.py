@@ -29,7 +29,7 @@ from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
 from .hybrid_plan import Calibration, CyclePlan, Reach, choose, head_only
 from .mtp import MTPProposer, drop_chained_rows
-from .suffix import SuffixProposer
+from .suffix import SuffixProposer, padded
 
 
 class HybridProposer(Proposer):
@@ -128,7 +128,7 @@ def _assemble(fresh: List[List[int]], own: List[bool], head: Optional[Drafts], r
     host = []
     for row, d, o in zip(rows, fresh, own):
         d = d if o else []
-        host.append(d + [d[-1] if d else row.tokens[-1]] * (k - len(d)))
+        host.append(padded(d, row, k))
     tokens = mx.array(host, dtype=mx.int32)
     if head is None:
         return tokens

@@ -32,6 +32,12 @@ SHARED_TOKENS = 1 << 18  # recent outputs kept for every request to draft from (
 _REMEMBERED = 4096  # requests whose share of the shared index is remembered (drop_absent)
 
 
+def padded(draft: List[int], row, k: int) -> List[int]:
+    """`draft` made k tokens long by repeating its last token (the row's last one if it has
+    none): every draft is verified, so padding costs acceptance only, never the text."""
+    return draft + [draft[-1] if draft else row.tokens[-1]] * (k - len(draft))
+
+
 class _RowState:
     """One request's drafter and how many of its row's tokens it has indexed."""
 
@@ -61,7 +67,7 @@ class SuffixProposer(Proposer):
         out = []
         for row in rows:
             draft = self.proposal(row, k).tokens[:k]
-            out.append(draft + [draft[-1] if draft else row.tokens[-1]] * (k - len(draft)))
+            out.append(padded(draft, row, k))
         tokens = mx.array(out, dtype=mx.int32)
         sampled = any(not r.sampler.params.greedy for r in rows)
         return Drafts(tokens, point_mass(tokens, self.vocab_size) if sampled else None)
