@@ -6,8 +6,8 @@ Requests are driven through the same BatchGenerator the server runs; all arrive 
 once. As the server does, the depth policy's costs are calibrated for one row before
 anything is timed; other batch sizes learn theirs while they decode. Each round runs MTP
 off and on back to back (in alternating order); the table gives medians over rounds and
-the range of the per-round ratio to MTP off; with `--depths`, "on/best" is adaptive's
-throughput over the best other setting's (MTP off or a fixed depth) of the same round. Only ratios
+the range of the per-round ratio to MTP off; with `--depths`, "on/best fixed" is adaptive's
+throughput over the best of MTP off and the fixed depths in the same round. Only ratios
 between settings of the same run are meaningful.
 
 Then, for the latency of several agents at once: the longest gap in a running stream
@@ -15,8 +15,14 @@ while 1, 3 or 7 requests join it (their prefills run between its cycles).
 
     python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16] [--rounds 3] [--temp 0.6]
     python bench/batch.py --concurrency 4,8 --depths 1,2,3 --rounds 4 --no-joins
+    python bench/batch.py --concurrency 4,8 --suffix --workload mix --no-joins
 
 `--temp`: every request samples at that temperature (seeded: the same tokens on both sides).
+`--suffix`: a setting "sfx" beside the others, adaptive with suffix drafts as `serve` runs
+it, with its own "sfx/best fixed" line and "sfx/on" (suffix drafts against MTP alone).
+`--workload mix`: every other request asks again for what the model wrote for its prompt
+(the prompt, the model's answer, the prompt: text to copy, as an agent re-emitting what it
+read); the rest are the plain prompts.
 """
 
 from __future__ import annotations
@@ -44,13 +50,31 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None):
-    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=num_draft, max_batch=max(n, 1)))
+def prompts_of(model, tok, workload: str, max_tokens: int):
+    """The token prompts requests cycle through: the plain ones, and for "mix" after each
+    one its "asked again" twin (prompt + the model's greedy answer + prompt)."""
+    plain = [tok.encode(p) for p in PROMPTS]
+    if workload == "plain":
+        return plain
+    out = []
+    for p in plain:
+        eng, said = BatchGenerator(model, tok, EngineConfig(enable_mtp=False)), []
+        eng.submit(Request(prompt=p, max_tokens=max_tokens))
+        while eng.has_work:
+            said += [t for ev in eng.step() for t in ev.token_ids]
+        out += [p, p + said + p]
+    return out
+
+
+def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, suffix=False):
+    eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=num_draft, max_batch=max(n, 1),
+                                                  suffix_drafts=suffix))
+    prompts = prompts or [tok.encode(p) for p in PROMPTS]
     t0 = time.perf_counter()
     first, last, gaps, counts = {}, {}, [], {}
     ids = []
     for i in range(n):
-        ids.append(eng.submit(Request(prompt=tok.encode(PROMPTS[i % len(PROMPTS)]), max_tokens=max_tokens,
+        ids.append(eng.submit(Request(prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
                                       params=SamplingParams(temperature=temp, seed=i))))
     batch_sizes, stats = [], {}
     while eng.has_work:
@@ -114,23 +138,29 @@ def main():
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature of every request")
     ap.add_argument("--depths", default="", help="fixed draft depths to run beside MTP off and adaptive, e.g. 1,2,3")
     ap.add_argument("--no-joins", action="store_true", help="skip the join-latency part")
+    ap.add_argument("--suffix", action="store_true", help="add adaptive with suffix drafts (sfx), as serve runs")
+    ap.add_argument("--workload", choices=("plain", "mix"), default="plain",
+                    help="mix: every other request asks again for the model's answer to its prompt")
     args = ap.parse_args()
     model, tok = load(args.model)
+    prompts = prompts_of(model, tok, args.workload, args.max_tokens)
     BatchGenerator(model, tok).calibrate(1)  # what the server does at start-up
     run(model, tok, 2, 10, True)  # warm-up
     print(f"model: {args.model or 'demo'}   temp={args.temp}   max_tokens={args.max_tokens}   "
-          f"rounds={args.rounds} (medians)")
+          f"rounds={args.rounds}   workload={args.workload} (medians)")
     print(f"{'conc':>4} {'MTP':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50 ms':>10} "
           f"{'p95':>7} {'accept':>7} {'batch':>6} {'on/off':>7} {'range':>10}")
-    settings = {"off": (False, None), "on": (True, None)}
-    settings.update({f"k={k}": (True, int(k)) for k in args.depths.split(",") if k})
+    settings = {"off": (False, None, False), "on": (True, None, False)}
+    if args.suffix:
+        settings["sfx"] = (True, None, True)
+    settings.update({f"k={k}": (True, int(k), False) for k in args.depths.split(",") if k})
     for n in [int(x) for x in args.concurrency.split(",")]:
         res = {name: [] for name in settings}
         for r in range(args.rounds):
             order = list(settings) if r % 2 == 0 else list(reversed(settings))
             for name in order:
-                mtp, k = settings[name]
-                res[name].append(run(model, tok, n, args.max_tokens, mtp, args.temp, k))
+                mtp, k, suffix = settings[name]
+                res[name].append(run(model, tok, n, args.max_tokens, mtp, args.temp, k, prompts, suffix))
         _print_rows(n, res)
     if args.no_joins:
         return
@@ -151,10 +181,16 @@ def _print_rows(n, res):
         print(f"{n:4} {name:>4} {m['agg_tps']:10.1f} {m['req_tps']:10.1f} {m['ttft_p50']:9.3f} {m['ttft_p95']:7.3f} "
               f"{m['itl_p50'] * 1e3:10.1f} {m['itl_p95'] * 1e3:7.1f} {m['acceptance']:7.2f} {m['mean_batch']:6.1f} "
               f"{ratio:>7} {spread:>10}")
-    if len(res) > 2:
-        best = [max(res[name][r]["agg_tps"] for name in res if name != "on") for r in range(len(res["on"]))]
-        vs_best = [on["agg_tps"] / b for on, b in zip(res["on"], best)]
-        print(f"{n:4} on/best {statistics.median(vs_best):.2f}x (range {min(vs_best):.2f}-{max(vs_best):.2f})")
+    for mine in ("on", "sfx"):
+        others = [name for name in res if name not in ("on", "sfx")]
+        if mine not in res or len(others) < 2:
+            continue
+        best = [max(res[name][r]["agg_tps"] for name in others) for r in range(len(res[mine]))]
+        vs_best = [x["agg_tps"] / b for x, b in zip(res[mine], best)]
+        print(f"{n:4} {mine}/best fixed {statistics.median(vs_best):.2f}x (range {min(vs_best):.2f}-{max(vs_best):.2f})")
+    if "sfx" in res:
+        vs_on = [x["agg_tps"] / on["agg_tps"] for x, on in zip(res["sfx"], res["on"])]
+        print(f"{n:4} sfx/on {statistics.median(vs_on):.2f}x (range {min(vs_on):.2f}-{max(vs_on):.2f})")
 
 
 if __name__ == "__main__":

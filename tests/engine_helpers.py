@@ -107,3 +107,26 @@ def hub_from_folder(monkeypatch, source: Path, cache: Path, repo_id: str) -> Non
         return str(cache)
 
     monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+
+
+def suffix_drafted_after(model, tok, prompts, processors, max_tokens: int, k: int = 8):
+    """Greedy requests for `prompts`, one after another, on one engine drafting with the
+    suffix drafter alone at depth k, each held by `processors(prompt)` (a fresh list of
+    logits processors): the later requests draft from the earlier ones' outputs in the
+    shared index -> (tokens, stats) of each."""
+    from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.config import EngineConfig
+    from mlxmtp.engine.request import Request
+    from mlxmtp.engine.sampling.params import SamplingParams
+
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=k, draft_source="suffix"))
+    out = []
+    for p in prompts:
+        eng.submit(Request(prompt=p, max_tokens=max_tokens, params=SamplingParams(logits_processors=processors(p))))
+        got, stats = [], None
+        while eng.has_work:
+            for ev in eng.step():
+                got += ev.token_ids
+                stats = ev.stats or stats
+        out.append((got, stats))
+    return out

@@ -99,10 +99,12 @@ def _serve_as_rank(rank, model_dir, loaded, args):
 def test_serve_builds_the_same_engine_config_on_rank_0_and_the_other_ranks(server_model):
     model, tok = server_model
     args = ["--num-draft", "2", "--decode-concurrency", "3", "--prompt-cache-bytes", "1M", "--prompt-cache-size", "4",
-            "--memory-mb", "64", "--prefill-step-size", "64", "--pipeline-drafts", "--dist-timeout", "7.5"]
+            "--memory-mb", "64", "--prefill-step-size", "64", "--pipeline-drafts", "--dist-timeout", "7.5",
+            "--no-suffix-share"]
     built0, checked0, load0 = _serve_as_rank(0, model.model_dir, (model, tok), args)
     built1, checked1, load1 = _serve_as_rank(1, model.model_dir, (model, tok), args)
     assert built0 == built1 and built0 is checked0 and built1 is checked1  # the object every rank hashed
     assert setup_digest(checked0, load0) == setup_digest(checked1, load1)
     assert built0 == EngineConfig(num_draft=2, max_batch=3, prefix_cache_bytes=10**6, prefix_cache_entries=4,
-                                  memory_bytes=64 << 20, prefill_step=64, pipeline_drafts=True, suffix_drafts=True)
+                                  memory_bytes=64 << 20, prefill_step=64, pipeline_drafts=True, suffix_drafts=True,
+                                  suffix_share=False)

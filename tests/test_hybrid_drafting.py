@@ -20,7 +20,7 @@ from test_sampling_exact import (  # noqa: F401  (pytest fixtures, used by name)
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
-from mlxmtp.engine.policy.adaptive import DepthPolicy
+from mlxmtp.engine.policy.adaptive import DepthPolicy, PolicyConfig
 from mlxmtp.engine.policy.base import GREEDY
 from mlxmtp.engine.proposers import hybrid_plan
 from mlxmtp.engine.proposers.base import SUFFIX
@@ -89,8 +89,10 @@ def test_sampled_rows_keep_the_target_distribution(tiny_vocab_model, plain_sampl
     """Rows sampling the same prompt: each draws suffix drafts from the outputs before it
     (q a point mass) or head drafts (q the oracle's), mixed in one cycle; the tokens at
     positions 1 and 2 are distributed as plain sampling's. Verifies priced as on a GPU
-    (a few percent a token) and the head's drafts as poor, so that suffix drafts are many."""
+    (a few percent a token), the head's drafts as poor and 2-token matches as enough, so that
+    suffix drafts are many."""
     monkeypatch.setattr(hybrid_plan, "DEFAULT_SLOPE", 0.02)
+    monkeypatch.setattr(hybrid_plan, "MIN_MATCH", 2)
     model, tok = tiny_vocab_model
     eng = OracleDraftEngine(model, tok, EngineConfig(num_draft=2, max_batch=64, prefix_cache_bytes=64 << 20,
                                                      suffix_drafts=True))
@@ -140,6 +142,9 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     # A sure 16-token draft for row 1: the cycle goes to 16, row 2 keeps the head's drafts.
     plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32)
     assert plan.depth == 16 and plan.head_depth == 3 and plan.suffix_rows(rows) == [True, False]
+    # A match of a few tokens (they recur anywhere) is no evidence, however sure its draft.
+    plan = hybrid_plan.choose(3, rows, [Draft([7] * 16, [0.99] * 16, 3), Draft([], [], 0)], _Policy(), cal, 32)
+    assert plan == hybrid_plan.head_only(3)
     # Where a verify costs about a token a draft (a CPU), a doubtful long draft does not pay.
     plan = hybrid_plan.choose(3, rows, [_draft(16, 0.7), _draft(16, 0.7)], _Policy(slope=1.0), cal, 32)
     assert plan.depth == 3 and not plan.suffix
@@ -156,6 +161,46 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     for _ in range(200):
         cal.fade()
     assert cal.factor(GREEDY) > 0.9
+
+
+def test_rows_whose_drafts_go_untaken_are_looked_up_less_often():
+    lookups = hybrid_plan.Lookups()
+
+    def cycle(rid, taken):
+        due = lookups.due(rid)
+        if due:
+            lookups.update([rid], {rid} if taken else set())
+        return due
+
+    assert all(cycle(1, False) for _ in range(4))  # four untaken: every other cycle from now
+    assert [cycle(1, False) for _ in range(4)] == [False, True, False, True]
+    for _ in range(80):
+        cycle(1, False)
+    assert [cycle(1, False) for _ in range(10)].count(True) == 2  # at most MAX_GAP cycles apart
+    while not cycle(1, True):  # taken: looked up every cycle again
+        pass
+    assert all(cycle(1, False) for _ in range(4))
+    lookups.forget_absent(set())
+    assert not lookups.wait and not lookups.untaken
+
+
+def test_a_suffix_cycle_past_the_heads_depths_prices_its_own_depth():
+    """Its wall time against its neighbour's prices depth 8 as measured, not by the line
+    through the head's depths; at a head depth, or untimed, it changes nothing."""
+    policy = DepthPolicy(config=PolicyConfig(calibrate=False))
+    for k, seconds in [(0, 1.0), (1, 1.2), (0, 1.0), (1, 1.2), (0, 1.0), (1, 1.2), (2, 1.4), (1, 1.2), (2, 1.4)]:
+        policy.cycles += 1
+        policy.update(k, 1, seconds, [k], [GREEDY])
+    guessed = policy.relative_costs(1, [GREEDY], [8])[8]
+    for k in (3, 8):
+        policy.cycles += 1
+        policy.update_cost(k, 1, 5.0, [GREEDY])
+        policy.update_cost(k, 1, None, [GREEDY])
+        policy.cycles += 1
+        policy.update(1, 1, 1.2, [1], [GREEDY])
+    costs = policy.relative_costs(1, [GREEDY], [3, 8])
+    assert guessed == pytest.approx(2.6, rel=0.01) and costs[8] == pytest.approx(5.0, rel=0.01)
+    assert 3 not in next(iter(policy.costs.values())).log_costs() and costs[3] < 5.0  # priced by the line
 
 
 def _asked_again(tok, ref, n):
@@ -197,6 +242,27 @@ def test_the_server_reports_drafts_by_source_in_usage_and_metrics():
     samples = {s.labels["source"]: s.value for s in fams["mlxmtp_drafted_tokens_by_source"].samples
                if s.name.endswith("_total")}
     assert samples["suffix"] == usage["suffix"]["drafted"]
+    # The shared index holds the finished request's output (48 tokens), never its prompt.
+    assert fams["mlxmtp_suffix_shared_tokens"].samples[0].value == 48
+    assert 0 < fams["mlxmtp_suffix_shared_bytes"].samples[0].value < 2**20
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_request_drafts_from_finished_outputs_unless_sharing_is_off(share):
+    """The same request twice: the second drafts the first's answer from the shared index;
+    with suffix_share off (`serve --no-suffix-share`) it has only its own prompt and output
+    (the index holds nothing), and its text is the same either way."""
+    model, tok, ref = loaded(str(demo_model_path()))
+    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True, suffix_share=share))
+    first, _ = _run(eng, [Request(prompt=prompt, max_tokens=48)])
+    second, (stats,) = _run(eng, [Request(prompt=prompt, max_tokens=48)])
+    assert first == second == [reference_greedy(ref, prompt, 48)]
+    kept = stats["by_source"].get("suffix", {}).get("accepted", 0)
+    if share:
+        assert kept >= 24 and eng.proposer.shared_index.tokens == 96, stats["by_source"]
+    else:
+        assert kept < 24 and eng.proposer.shared_index is None, stats["by_source"]
 
 
 def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():

@@ -11,7 +11,7 @@ import threading
 
 import mlx.core as mx
 import pytest
-from engine_helpers import loaded, oracle_hook, prompt_of
+from engine_helpers import loaded, oracle_hook, prompt_of, suffix_drafted_after
 from mlx_lm.generate import generate_step
 from server_helpers import served_engine
 
@@ -68,6 +68,19 @@ def test_held_output_equals_mlx_lm_at_every_depth_and_acceptance_length(fixture_
             for ev in eng.step():
                 got += ev.token_ids
         assert got == want, f"{family} k={k}"
+
+
+def test_held_output_drafted_by_the_suffix_equals_mlx_lm(fixture_model):
+    """Suffix drafts (model-free: nothing masks them before the verify) of a later answer
+    held to the schema, read off an earlier one: the grammar keeps the drafts it allows and
+    rejects the rest, and the text is mlx-lm's own."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    prompts = [prompt_of(23, seed=5), prompt_of(17, seed=8)]
+    runs = suffix_drafted_after(model, tok, prompts, lambda p: [held(tok, p)], 600)
+    for p, (got, _) in zip(prompts, runs):
+        assert got == mlx_lm_held(ref, tok, p)
+    stats = runs[1][1]
+    assert 0 < stats.accepted < stats.drafted, (stats.accepted, stats.drafted)
 
 
 @pytest.mark.slow

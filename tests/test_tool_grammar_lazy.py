@@ -16,7 +16,7 @@ import llguidance
 import mlx.core as mx
 import openai
 import pytest
-from engine_helpers import loaded, oracle_hook, prompt_of
+from engine_helpers import loaded, oracle_hook, prompt_of, suffix_drafted_after
 from mlx_lm.generate import generate_step
 from server_helpers import ServerThread, served_engine
 from test_tool_grammar import PARAMS, TOOLS, valid
@@ -201,6 +201,21 @@ def test_held_calls_equal_mlx_lm_at_every_depth_and_acceptance_length(fixture_mo
             for ev in eng.step():
                 got += ev.token_ids
         assert got == want, f"xml={xml} k={k}"
+
+
+def test_held_calls_drafted_by_the_suffix_equal_mlx_lm(fixture_model, fixture_served):
+    """Forced calls of a later request drafted by the suffix drafter from an earlier one's
+    (the same tools: the calls' syntax repeats, their arguments differ): exact."""
+    model, tok, ref = loaded(str(fixture_model("qwen3_5")["hf"]))
+    structured_output.serve_tokenizer(tok, 320)
+    trigger, end = (structured_output.added_token(t) for t in ("<tool_call>", tool_grammar.END))
+    prompts = [prompt_of(19, seed=3), prompt_of(12, seed=9)]
+    runs = suffix_drafted_after(model, tok, prompts, lambda p: [opener(len(p), trigger, end),
+                                                                lazy_processor(tok, len(p), False)], 300)
+    for p, (got, _) in zip(prompts, runs):
+        assert got == mlx_lm_held(ref, tok, p, False)
+    stats = runs[1][1]
+    assert 0 < stats.accepted < stats.drafted, (stats.accepted, stats.drafted)
 
 
 # ------------------------------------------------------------------ the demo model through every API

@@ -107,6 +107,10 @@ log = logging.getLogger("mlxmtp.server")
 @click.option("--chat-template-args", default=None, callback=lambda ctx, param, value: serve_options.template_args(value),
               help='JSON object of chat template variables for every request, e.g. \'{"enable_thinking": '
                    "false}'. A request's own chat_template_kwargs, thinking or reasoning setting wins.")
+@click.option("--suffix-share/--no-suffix-share", default=True, show_default=True,
+              help="Let suffix drafts come from finished requests' outputs too (never their prompts; a bounded "
+                   "index, its size in /metrics); --no-suffix-share keeps each request to its own prompt and output. "
+                   "Drafts change speed only, never the text.")
 @click.option("--constrain-tool-calls", is_flag=True,
               help="Hold every tool call the model opens to a grammar, from its <tool_call> token on: one of "
                    "the request's tools, arguments matching that tool's JSON schema, in the model's own call "
@@ -131,7 +135,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           chat_template_args=None, adapter_path=None, default_max_tokens=None, prefill_step=PREFILL_STEP,
           allowed_origins=(), prompt_cache_bytes=None, prefix_cache_entries=None, trust_remote_code=False,
           use_default_chat_template=False, prefix_cache_dir=None, prefix_cache_disk_mb=PREFIX_DISK_MB,
-          constrain_tool_calls=False, suffix=True):
+          constrain_tool_calls=False, suffix=True, suffix_share=True):
     """OpenAI- and Anthropic-compatible server.
 
     Endpoints: /v1/chat/completions, /v1/completions and /v1/responses (OpenAI);
@@ -152,7 +156,8 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
     if group is None or group.rank() == 0:
         serve_options.check_address(host, port)  # before the (slow) model load, as the API key
     engine = _engine_config(want_mtp, num_draft, max_concurrent, prefill_step, prefix_cache_mb, prefix_cache_entries,
-                            prefix_cache_dir, prefix_cache_disk_mb, memory_mb, pipeline_drafts, compile_steps, suffix)
+                            prefix_cache_dir, prefix_cache_disk_mb, memory_mb, pipeline_drafts, compile_steps, suffix,
+                            suffix_share)
     m, tok = _load(model, group, engine, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
                    draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path,
                    trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)
@@ -185,7 +190,8 @@ def _check_changes(tok, adapter_path, chat_template, chat_template_args) -> None
 
 def _engine_config(enable_mtp: bool, num_draft, max_concurrent: int, prefill_step: int, prefix_cache_mb,
                    prefix_cache_entries, prefix_cache_dir, prefix_cache_disk_mb: int, memory_mb,
-                   pipeline_drafts: bool, compile_steps: bool, suffix: bool = True) -> EngineConfig:
+                   pipeline_drafts: bool, compile_steps: bool, suffix: bool = True,
+                   suffix_share: bool = True) -> EngineConfig:
     """The engine's config from serve's options (budgets in MiB; None: the machine's
     defaults, engine/budgets.py; `prefix_cache_mb` a fraction of MiB for a budget in bytes,
     --prompt-cache-bytes)."""
@@ -194,7 +200,8 @@ def _engine_config(enable_mtp: bool, num_draft, max_concurrent: int, prefill_ste
         prefix_cache_bytes=None if prefix_cache_mb is None else int(prefix_cache_mb * 2**20),
         prefix_cache_entries=prefix_cache_entries, prefix_cache_dir=prefix_cache_dir,
         prefix_cache_disk_mb=prefix_cache_disk_mb, memory_bytes=None if memory_mb is None else int(memory_mb) * 2**20,
-        pipeline_drafts=pipeline_drafts, compile_steps=compile_steps, suffix_drafts=suffix)
+        pipeline_drafts=pipeline_drafts, compile_steps=compile_steps, suffix_drafts=suffix,
+        suffix_share=suffix_share)
 
 
 def _run(app, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:

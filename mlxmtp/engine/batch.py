@@ -167,6 +167,8 @@ class BatchGenerator:
         keep = self.batch.drop(gone)
         if keep is not None and self._inflight is not None:
             self._inflight = self._inflight.select(keep) if keep else None
+        if self.proposer is not None:  # a finished request's output joins the suffix index now
+            self.proposer.drop_absent({r.req.id for r in self.rows})
         memory.after_drop(self.memory, self.rows, self.waiting)
 
     # ---------------------------------------------------------------- decode

@@ -35,6 +35,10 @@ class EngineConfig:
     # process alone only (the ranks of a distributed run draft with the head). Off here, on
     # in the commands (`--suffix/--no-suffix`).
     suffix_drafts: bool = False
+    # Whether the suffix drafter also drafts from the outputs of requests that finished
+    # (never their prompts; a bounded index, proposers/suffix.SHARED_TOKENS), or only from
+    # each request's own prompt and output (`--no-suffix-share`).
+    suffix_share: bool = True
     # How sampled drafts are kept (engine/sampling/rejection.py): "exact" (rejection
     # sampling); "argmax" is a wrong rule the tests show they catch.
     acceptance_rule: str = "exact"

@@ -236,14 +236,9 @@ class SharedOutputs:
         self.cap, self.chunk_cap = cap_tokens, max(1, cap_tokens // max(1, chunks))
         self._index_args = dict(min_match=min_match, max_match=max_match, live_max=live_max)
         self.chunks: Deque[TokenIndex] = deque()
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+        # What it holds, counted after each `add`: plain ints, so another thread (a /metrics
+        # scrape) reads them without walking chunks the engine thread is changing.
+        self.tokens = self.nbytes = 0
 
     def add(self, output: Sequence[int]) -> None:
         """Adds one finished output (its last cap_tokens tokens when longer)."""
@@ -253,8 +248,10 @@ class SharedOutputs:
         if not self.chunks or self.chunks[-1].tokens + len(output) > self.chunk_cap:
             self.chunks.append(TokenIndex(**self._index_args))
         self.chunks[-1].extend(output, separate=True)
-        while self.tokens > self.cap and len(self.chunks) > 1:
+        while sum(c.tokens for c in self.chunks) > self.cap and len(self.chunks) > 1:
             self.chunks.popleft()
+        self.tokens = sum(c.tokens for c in self.chunks)
+        self.nbytes = sum(c.nbytes for c in self.chunks)
 
 
 class SuffixDrafter:

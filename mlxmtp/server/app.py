@@ -87,10 +87,12 @@ def _log_prefix_cache(budget: int, entries: Optional[int]) -> None:
 
 
 def _watched_bridge(make_engine: Callable[[], Engine], metrics: Metrics) -> EngineBridge:
-    """The bridge to the engine `make_engine` builds, its prefix cache and memory in `metrics`."""
+    """The bridge to the engine `make_engine` builds, its prefix cache, memory and suffix index
+    in `metrics`."""
     bridge = EngineBridge(make_engine, metrics)
     metrics.watch_prefix_cache(lambda: bridge.engine.prefix_cache if bridge.engine is not None else None)
     metrics.watch_memory(lambda: bridge.engine.memory if bridge.engine is not None else None)
+    metrics.watch_suffix_index(lambda: getattr(getattr(bridge.engine, "proposer", None), "shared_index", None))
     return bridge
 
 

@@ -52,6 +52,11 @@ class Metrics:
                                     "as the memory guard counts them.", registry=r)
         self.memory_preempted = Gauge(p + "memory_preempted_requests", "Running requests sent back to wait "
                                       "for memory, since the engine started.", registry=r)
+        self.suffix_shared_tokens = Gauge(p + "suffix_shared_tokens", "Tokens of finished requests' outputs the "
+                                          "suffix drafter drafts from (bounded; --no-suffix-share: none).",
+                                          registry=r)
+        self.suffix_shared_bytes = Gauge(p + "suffix_shared_bytes", "Bytes the suffix drafter's index of "
+                                         "finished requests' outputs holds.", registry=r)
         self._pos_totals: dict = {}
 
     def _add_drafting(self, p: str, r: CollectorRegistry) -> None:
@@ -97,6 +102,13 @@ class Metrics:
         self.memory_budget.set_function(read(lambda g: g.budget))
         self.memory_running.set_function(read(lambda g: g.running))
         self.memory_preempted.set_function(read(lambda g: g.preempted))
+
+    def watch_suffix_index(self, current: Callable[[], Optional[object]]) -> None:
+        """Read the suffix drafter's shared index (suffix_index.SharedOutputs) at each
+        scrape; `current()`: the running engine's, or None."""
+        read = functools.partial(_read_at_scrape, current)
+        self.suffix_shared_tokens.set_function(read(lambda s: s.tokens))
+        self.suffix_shared_bytes.set_function(read(lambda s: s.nbytes))
 
     def on_step(self, engine, decoded: bool) -> None:
         """From the engine thread after every step."""

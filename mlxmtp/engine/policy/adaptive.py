@@ -253,6 +253,15 @@ class DepthPolicy(Policy):
     def _probe_plan(self, k: int) -> List[int]:
         return probes.plan(k, self.regime, self.cfg.burst)
 
+    def update_cost(self, k: int, batch_size: int, seconds: Optional[float],
+                    classes: Optional[Sequence[Hashable]] = None) -> None:
+        """A suffix cycle (proposers/hybrid.py): its cost prices its depth where that is past
+        the head's (a suffix cycle at a head depth runs fewer head steps than the head's own
+        cycles of that depth, which alone price it); the next cycle is not a steady one."""
+        self._last_k = None
+        if k > self.max_depth and seconds is not None and seconds > 0:
+            self._costs(cost_key(batch_size, classes)).add(k, seconds, self.cycles)
+
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
         """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept,

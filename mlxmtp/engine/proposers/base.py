@@ -65,6 +65,9 @@ class Proposer:
     # Can draft on top of a cycle not read yet (propose_unread, settle).
     pipelines: bool = False
     source: str = ""  # its name in the stats and /metrics ("mtp", "suffix")
+    # The index of finished requests' outputs it drafts from (suffix_index.SharedOutputs,
+    # shown in /metrics), if any.
+    shared_index = None
 
     def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
         """The next cycle's depth, given the depth policy's choice k for `rows`; `limit`:
@@ -99,6 +102,10 @@ class Proposer:
     def after_verify(self, batch, cycle, tokens: List[List[int]], consumed: List[int]) -> None:
         """A cycle read on the host: row b of cycle.rows emitted tokens[b][: consumed[b]]
         (its last token becomes the next cycle's input); cycle.k is 0 in plain decoding."""
+
+    def drop_absent(self, present: set) -> None:
+        """Rows left the batch (finished, failed, cancelled or sent back to wait for
+        memory); `present`: the request ids still in it. A drafter forgets the others here."""
 
     def settle(self, batch, prev, kept: List[int]) -> None:
         """`prev` was built on by a `propose_unread` cycle and is now read: kept[b] drafts of

@@ -23,11 +23,11 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     holds, alive after its last use until a garbage collection."""
     vocab_size = pieces.parts.args.vocab_size
     if engine.config.draft_source == "suffix":
-        return SuffixProposer(vocab_size)
+        return SuffixProposer(vocab_size, share=engine.config.suffix_share)
     if pieces.head is None:
         return None
     ref = weakref.ref(engine)
     head = MTPProposer(pieces, lambda: ref().policy.plain_regime())
     if not engine.config.suffix_drafts or engine.coordinator.lockstep:
         return head
-    return HybridProposer(head, SuffixProposer(vocab_size), MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)
+    return HybridProposer(head, SuffixProposer(vocab_size, share=engine.config.suffix_share), MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)

@@ -2,7 +2,8 @@
 more tokens per unit of verify cost.
 
 Each cycle the depth policy chooses the head's depth k (0: plain decoding). `plan` then asks
-the suffix drafter for every row's proposal (suffix_index.Draft: its tokens, and probs[i], the
+the suffix drafter for each row's proposal (rows whose proposals went untaken a while are
+asked less often: hybrid_plan.Lookups) (suffix_index.Draft: its tokens, and probs[i], the
 estimated probability that the first i + 1 are all kept) and picks the cycle's depth K among k
 and the proposals' lengths (hybrid_plan.choose): the depth with the most expected tokens per
 unit of cost over the batch, each row taking at that depth the source that expects more.
@@ -15,7 +16,8 @@ on them when it next drafts (mtp_inputs).
 
 A cycle with suffix rows needs every row's tokens on the host: `needs_host_tokens` then tells
 the engine to read the cycle in flight first (no pipelined drafting for that cycle); head-only
-cycles pipeline as the head alone does.
+cycles pipeline as the head alone does. A suffix cycle's time prices its depth for the plan
+where that is past the head's (Policy.update_cost); it teaches the policy nothing else.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..suffix_index import Draft
 from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
-from .hybrid_plan import Calibration, CyclePlan, Reach, choose, head_only
+from .hybrid_plan import Calibration, CyclePlan, Lookups, Reach, choose, head_only
 from .mtp import MTPProposer, drop_chained_rows
 from .suffix import SuffixProposer, padded
 
@@ -38,28 +41,31 @@ class HybridProposer(Proposer):
     def __init__(self, head: MTPProposer, suffix: SuffixProposer, max_depth: int,
                  shape_stable: Callable[[], bool] = lambda: False):
         self.head, self.suffix = head, suffix
+        self.shared_index = suffix.shared_index
         self.max_depth = max_depth  # the longest suffix draft (limits.MAX_SUFFIX_DEPTH)
         # Whether the engine's caches are shape-stable: suffix depths then round up to a few
         # buckets (hybrid_plan.SHAPE_BUCKETS).
         self.shape_stable = shape_stable
         self.calibration = Calibration()
         self.reach = Reach()
+        self.lookups = Lookups()
         self.plan_: CyclePlan = head_only(0)
         self.drafts_made: List[Tuple[str, int]] = []  # the last cycle's, per row (`drafted`)
         self.suffix_ids: set = set()  # the requests whose last drafts were the suffix's
 
     # ------------------------------------------------------------ the plan
     def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
-        present = {r.req.id for r in rows}
-        self.suffix.drop_absent(present)
-        self.reach.forget_absent(present)
+        self.drop_absent({r.req.id for r in rows})
         self.calibration.fade()
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if cap == 0 or any(r.req.num_draft is not None for r in rows):  # a pinned depth is the head's
             self.plan_ = head_only(k)
             return k
-        proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) for r in rows]
+        looked = [r.req.id for r in rows if self.lookups.due(r.req.id)]
+        proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) if r.req.id in looked else _NONE
+                     for r in rows]
         self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable())
+        self.lookups.update(looked, set(self.plan_.suffix))
         return self.plan_.depth
 
     def why(self) -> Optional[str]:
@@ -118,8 +124,16 @@ class HybridProposer(Proposer):
             p = self.head.pieces
             mtp_inputs.keep_bounded(batch.rows, False, p.head, p.vocab, batch.head_cache)
 
+    def drop_absent(self, present: set) -> None:
+        self.suffix.drop_absent(present)
+        self.reach.forget_absent(present)
+        self.lookups.forget_absent(present)
+
     def settle(self, batch, prev, kept: List[int]) -> None:
         self.head.settle(batch, prev, kept)
+
+
+_NONE = Draft([], [], 0)  # a row not looked up this cycle (hybrid_plan.Lookups)
 
 
 def _assemble(fresh: List[List[int]], own: List[bool], head: Optional[Drafts], rows: List, k: int) -> mx.array:

@@ -9,8 +9,8 @@ actually kept. A cycle of depth K with the head at depth min(k, K) yields, per u
 
     rate(K) = sum over rows of max(E_h(min(k, K)), E_s(K)) / c(K),
 
-c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements,
-plain decoding = 1; `DEFAULT_SLOPE` per draft where it has none). The plan takes the K with
+c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements, suffix
+cycles' included, plain decoding = 1; `DEFAULT_SLOPE` per draft where it has none). The plan takes the K with
 the highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
 long draft may pay cut short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The
 head runs only if some row takes its drafts.
@@ -34,6 +34,10 @@ PRIOR_ACCEPT = 0.5
 MARGIN = 0.05
 # A row's suffix drafts at first, and at the least after failures (`Reach`).
 FIRST_REACH, MIN_REACH = 8, 4
+# The shortest match a row's suffix draft may rest on beside the head: two or three tokens
+# ("self.", "):\n    ") recur all over code and prose and say little about what follows,
+# while text being copied matches longer with every token it copies.
+MIN_MATCH = 4
 # Suffix depths on shape-stable engines: a few verify shapes instead of one per length.
 SHAPE_BUCKETS = (8, 16, 32)
 
@@ -120,6 +124,37 @@ class Reach:
                 self.of[row.req.id] = reach
 
 
+class Lookups:
+    """Which rows look up a suffix draft this cycle. A lookup costs a few tenths of a
+    millisecond a row (binary searches and vector compares over the index): a tenth of a
+    small model's cycle on a CPU. So a row whose proposals went untaken n cycles in a row is
+    looked up every min(MAX_GAP, n // BACKOFF) + 1 cycles; text the model starts copying
+    shows as a long match at the next lookup, at most MAX_GAP cycles late."""
+
+    MAX_GAP, BACKOFF = 4, 4
+
+    def __init__(self):
+        self.untaken: Dict[int, int] = {}  # request id -> proposals not taken in a row
+        self.wait: Dict[int, int] = {}  # request id -> cycles to go before its next lookup
+
+    def due(self, request_id: int) -> bool:
+        """Whether the row looks up a draft this cycle (one call a row and cycle)."""
+        left = self.wait.get(request_id, 0)
+        self.wait[request_id] = max(0, left - 1)
+        return left == 0
+
+    def update(self, looked: Sequence[int], taken: set) -> None:
+        """`looked`: the rows looked up this cycle; `taken`: those whose drafts the plan took."""
+        for rid in looked:
+            n = 0 if rid in taken else self.untaken.get(rid, 0) + 1
+            self.untaken[rid], self.wait[rid] = n, min(self.MAX_GAP, n // self.BACKOFF)
+
+    def forget_absent(self, present: set) -> None:
+        for table in (self.untaken, self.wait):
+            for rid in [rid for rid in table if rid not in present]:
+                del table[rid]
+
+
 def expected(probs: Sequence[float], f: float, K: int) -> float:
     """E_s(K): the tokens a cycle of depth K yields on a suffix draft with these probs."""
     return 1.0 + sum(min(1.0, f ** (i + 1) * p) for i, p in enumerate(probs[:K]))
@@ -147,6 +182,7 @@ def _depths(k: int, proposals: Sequence, cap: int, shape_stable: bool) -> List[i
 def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Calibration, cap: int,
            shape_stable: bool = False) -> CyclePlan:
     """The plan of one cycle (see the module docstring); proposals[b]: row b's suffix_index.Draft."""
+    proposals = [p if p.match_len >= MIN_MATCH else p._replace(tokens=[], probs=[]) for p in proposals]
     if not any(p.tokens for p in proposals):
         return head_only(k)
     classes = acceptance_classes(rows)

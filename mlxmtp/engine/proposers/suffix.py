@@ -52,7 +52,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, vocab_size: int, share: bool = True, shared_tokens: int = SHARED_TOKENS):
         self.vocab_size = vocab_size
-        self.shared = SharedOutputs(shared_tokens) if share else None
+        self.shared = self.shared_index = SharedOutputs(shared_tokens) if share else None
         self.states: Dict[int, _RowState] = {}
         # Request id -> output tokens it has added to the shared index, for the latest requests.
         self._shared_upto: "OrderedDict[int, int]" = OrderedDict()
@@ -89,7 +89,8 @@ class SuffixProposer(Proposer):
         return state
 
     def drop_absent(self, present: set) -> None:
-        """Requests no longer in the batch: their outputs go to the shared index. A request
+        """Requests no longer in the batch: their outputs go to the shared index (the engine
+        calls this as rows leave; `propose` again, for a caller driving it alone). A request
         sent back to wait for memory (engine/memory.py) leaves and comes back: what it adds
         when it leaves again is only what it wrote since (`_shared_upto`)."""
         for rid in [rid for rid in self.states if rid not in present]:
