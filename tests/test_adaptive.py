@@ -349,6 +349,51 @@ def test_engine_times_cycles_only_between_two_of_the_same_kind(fixture_model):
     assert [s is not None for _, s in calls[:10]] == [False, True, True, False, False, True, True, False, True, True]
 
 
+def test_plain_decoding_measured_apart_from_the_drafting_depths_is_measured_again():
+    # Pairs (0, 3) and (1, 2) only: both anchors have samples, but no chain of pairs prices
+    # plain decoding against the drafting depths; the policy measures the two anchors again
+    # in alternating blocks (it raised a KeyError before).
+    pol = DepthPolicy()
+    table = pol._costs((1, "greedy"))
+    for i in range(4):
+        table.add(0, 1.0, 10 * i)
+        table.add(3, 2.0, 10 * i + 1)
+        table.add(1, 1.3, 10 * i + 5)
+        table.add(2, 1.6, 10 * i + 6)
+    table.add(1, 1.3, 45)
+    table.add(2, 1.6, 46)  # the (1, 2) group is the better measured: the costs are relative to it
+    assert table.costs([0])[0] is None
+    pol.cycles = 50
+    chosen = []
+    for _ in range(8):
+        k = pol.choose(1, classes=["greedy"])
+        chosen.append((k, pol.why))
+        pol.update(k, 1, 1.0 + 0.3 * k, [k], ["greedy"])
+    assert chosen[:4] == [(0, "calibrating")] * 3 + [(1, "calibrating")]  # until a (0, 1) pair links them
+    assert table.costs([0])[0] is not None and "calibrating" not in [why for _, why in chosen[5:]]
+
+
+def test_engines_share_the_models_policy_only_when_they_draft_with_its_head(fixture_model):
+    # Engines of one model drafting with its head share what was learnt; one with MTP off
+    # keeps its own: its plain cycles, timed beside another engine's drafting cycles, made
+    # drafting look dear enough that the shared policy decoded plainly where the head paid
+    # (bench/decode.py and `mlxmtp bench` run both in one process).
+    from engine_helpers import loaded, prompt_of
+
+    from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.config import EngineConfig
+    from mlxmtp.engine.request import Request
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    on, again, off = (BatchGenerator(model, tok, EngineConfig(enable_mtp=m)) for m in (True, True, False))
+    assert on.policy is again.policy and off.policy is not on.policy
+    before = {key: table.pairs.copy() for key, table in on.policy.costs.items()}
+    off.submit(Request(prompt=prompt_of(12), max_tokens=24))
+    while off.has_work:
+        off.step()
+    assert {key: table.pairs for key, table in on.policy.costs.items()} == before
+
+
 @pytest.mark.slow
 def test_time_spent_elsewhere_between_steps_is_left_out_when_the_caller_says_so(fixture_model):
     # bench/decode.py runs mlx-lm in turns with the engine; those turns must not be billed

@@ -18,6 +18,7 @@ from . import budgets, memory
 from .config import EngineConfig
 from .coordinator import Coordinator
 from .pieces import ModelPieces, model_pieces, shared_policy
+from .policy.adaptive import DepthPolicy
 from .policy.base import Policy
 from .prefix import disk as prefix_disk
 from .prefix.cache import PrefixCache
@@ -40,10 +41,11 @@ def make_parts(model, config: EngineConfig, coordinator: Optional[Coordinator] =
     config.validate()
     coordinator = coordinator or Coordinator()
     c = budgets.resolved(model, config)
-    policy = coordinator.policy(shared_policy(model, c.max_depth, c.num_draft, c.draft_source))
     # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py). The
     # suffix drafter leaves the head out: no head caches, passes or memory for it.
     pieces = model_pieces(model, c.enable_mtp and c.draft_source == "mtp", c.compile_steps)
+    policy = coordinator.policy(shared_policy(model, c.max_depth, c.num_draft, c.draft_source)
+                                if pieces.head is not None else DepthPolicy(c.max_depth, fixed=c.num_draft))
     adapter.prepare_model(pieces.parts.text_model)
     agree = coordinator.agreement()
     # Every rank keeps and evicts the same entries, so all use rank 0's budget (each rank's

@@ -43,11 +43,15 @@ def model_pieces(model, enable_mtp: bool, compile_steps: bool = False) -> ModelP
 
 
 def shared_policy(model, max_depth: int, num_draft: Optional[int], source: str = "mtp") -> DepthPolicy:
-    """The depth policy for these settings, shared by every engine of the model.
+    """The depth policy for these settings, shared by every engine of the model that drafts
+    with its head.
 
     Costs and acceptance belong to the model on this machine, not to one engine: engines
-    of the same model (e.g. successive `generate` calls) share what was learnt, per draft
-    source (each drafter's acceptance is its own)."""
+    of the same model (e.g. successive `generate` calls) share what was learnt. An engine
+    that does not draft with the head (MTP off) gets a policy of its own (engine/parts.py):
+    its plain cycles, without the head's work, timed beside the head's drafting cycles of
+    another engine, would price drafting too dear (`mlxmtp bench` and bench/decode.py run
+    MTP off and adaptive depth in one process)."""
     policies = model.policies if isinstance(model, MTPModel) else None
     key = (max_depth, num_draft, source)
     if policies is not None and key in policies:

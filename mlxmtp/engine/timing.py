@@ -45,13 +45,10 @@ class CycleClock:
         mode = ("sync" if rec.synchronous else "async", B)
         interval = now - self.last_finish
         # The depth policy learns the head's acceptance and cycle costs: a cycle with suffix
-        # drafts (proposers/hybrid.py) teaches it the cost of its depth only.
-        timed = interval if self.mode == mode else None
+        # drafts (proposers/hybrid.py) teaches it neither.
         if all(source != "suffix" for source, _ in rec.drafted):
-            policy.update(rec.k, B, timed, kept, acceptance_classes(rows),
+            policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
                           switch_seconds=interval if self.switched else None)
-        else:
-            policy.update_cost(rec.k, B, timed, acceptance_classes(rows))
         self.switched = False
         self.mode = mode
         self.last_finish = now

@@ -151,13 +151,15 @@ class DepthPolicy(Policy):
         if self._plan and max(self._plan) <= cap:
             return self._because(PROBE, self._plan.pop(0))
         self._plan = []
-        if not (self._calibrated(key, 0) and self._calibrated(key, 1)):
-            # The two anchors first, in alternating blocks (each switch yields one ratio).
+        costs = {k: c for k, c in self._costs(key).costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
+        # The two anchors first, in alternating blocks (each switch yields one ratio); again
+        # where plain decoding is measured only against depths no chain of pairs links to
+        # the others (neighbouring cycles of two engines of the model can pair that way).
+        if not (self._calibrated(key, 0) and self._calibrated(key, 1)) or not {0, 1} <= costs.keys():
             n = self._calibration.get(key, 0)
             self._calibration[key] = n + 1
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
         classes = list(classes) if classes else [None]
-        costs = {k: c for k, c in self._costs(key).costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
         mean, bound = self._rates(costs, classes, False), self._rates(costs, classes, True)
         best = max(mean, key=mean.get)
         if not self._calibrated(key, best):
@@ -252,15 +254,6 @@ class DepthPolicy(Policy):
 
     def _probe_plan(self, k: int) -> List[int]:
         return probes.plan(k, self.regime, self.cfg.burst)
-
-    def update_cost(self, k: int, batch_size: int, seconds: Optional[float],
-                    classes: Optional[Sequence[Hashable]] = None) -> None:
-        """A suffix cycle (proposers/hybrid.py): its cost prices its depth where that is past
-        the head's (a suffix cycle at a head depth runs fewer head steps than the head's own
-        cycles of that depth, which alone price it); the next cycle is not a steady one."""
-        self._last_k = None
-        if k > self.max_depth and seconds is not None and seconds > 0:
-            self._costs(cost_key(batch_size, classes)).add(k, seconds, self.cycles)
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:

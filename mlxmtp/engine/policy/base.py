@@ -37,11 +37,6 @@ class Policy:
         """One cycle was read: its depth, its wall time (None: not timed), the drafts each
         row kept, and for the first drafting cycle after plain decoding, its wall time."""
 
-    def update_cost(self, k: int, batch_size: int, seconds: Optional[float],
-                    classes: Optional[Sequence[Hashable]] = None) -> None:
-        """A cycle of depth k whose drafts were not (all) the head's was read: its wall time
-        (None: not timed) prices cycles of that depth; its drafts teach nothing about the head."""
-
     def plain_regime(self) -> bool:
         """Whether plain decoding is the depth in use outside probes (the engine then keeps
         the head's pending inputs bounded instead of feeding them to the head)."""
