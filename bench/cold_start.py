@@ -8,7 +8,7 @@ setting, its decode tokens per second relative to the MTP-off process of the sam
 min, median and max over rounds, and the spread (max - min) / max of those ratios.
 
     python bench/cold_start.py                         # demo, greedy, 6 rounds, off / adaptive / k=3
-    python bench/cold_start.py --rounds 10 --temp 0.6 --depths 2,3
+    python bench/cold_start.py --rounds 10 --temp 0.6 --depths 2,3 --head-alone
     python bench/cold_start.py --model /path/to/mlx-model --max-tokens 200 --markdown
     git worktree add /tmp/before HEAD~1
     python bench/cold_start.py --baseline /tmp/before    # adaptive of another checkout too
@@ -41,6 +41,8 @@ def run_once(model, setting: str, args) -> dict:
     cmd += ["--seed", "0"] if args.temp > 0 else []
     if setting == "off":
         cmd.append("--disable-mtp")
+    elif setting == "head alone":
+        cmd.append("--no-suffix")
     elif setting not in ("adaptive", "baseline"):
         cmd += ["--num-draft", setting]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -51,7 +53,8 @@ def run_once(model, setting: str, args) -> dict:
 
 def measure(args) -> dict:
     """{setting: [decode tok/s of each round]} and {setting: [depths histogram]}."""
-    settings = ["off", "adaptive", *(["baseline"] if args.baseline else []), *[d for d in args.depths.split(",") if d]]
+    settings = ["off", "adaptive", *(["head alone"] if args.head_alone else []),
+                *(["baseline"] if args.baseline else []), *[d for d in args.depths.split(",") if d]]
     rates = {s: [] for s in settings}
     depths = {s: [] for s in settings}
     for r in range(args.rounds):
@@ -86,6 +89,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--baseline", default=None, help="another checkout's root: its adaptive policy runs too")
+    p.add_argument("--head-alone", action="store_true",
+                   help="also adaptive with the head alone (--no-suffix; every setting else has suffix drafts)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true", help="print the raw measurements as JSON")
     args = p.parse_args(argv)

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
         for temp in [float(t) for t in args.temps.split(",")]:
             run = argparse.Namespace(model=model, rounds=args.rounds, depths="", temp=temp,
                                      max_tokens=args.max_tokens, prompt=cold_start.PROMPT, timeout=900,
-                                     baseline=None)
+                                     baseline=None, head_alone=False)
             result = cold_start.measure(run)
             (_, lo, mid, hi, _), = cold_start.summary(result["rates"])
             hists = result["depths"]["adaptive"]

@@ -20,7 +20,7 @@ from test_sampling_exact import (  # noqa: F401  (pytest fixtures, used by name)
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
-from mlxmtp.engine.policy.adaptive import DepthPolicy, PolicyConfig
+from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.base import GREEDY
 from mlxmtp.engine.proposers import hybrid_plan
 from mlxmtp.engine.proposers.base import SUFFIX
@@ -182,25 +182,6 @@ def test_rows_whose_drafts_go_untaken_are_looked_up_less_often():
     assert all(cycle(1, False) for _ in range(4))
     lookups.forget_absent(set())
     assert not lookups.wait and not lookups.untaken
-
-
-def test_a_suffix_cycle_past_the_heads_depths_prices_its_own_depth():
-    """Its wall time against its neighbour's prices depth 8 as measured, not by the line
-    through the head's depths; at a head depth, or untimed, it changes nothing."""
-    policy = DepthPolicy(config=PolicyConfig(calibrate=False))
-    for k, seconds in [(0, 1.0), (1, 1.2), (0, 1.0), (1, 1.2), (0, 1.0), (1, 1.2), (2, 1.4), (1, 1.2), (2, 1.4)]:
-        policy.cycles += 1
-        policy.update(k, 1, seconds, [k], [GREEDY])
-    guessed = policy.relative_costs(1, [GREEDY], [8])[8]
-    for k in (3, 8):
-        policy.cycles += 1
-        policy.update_cost(k, 1, 5.0, [GREEDY])
-        policy.update_cost(k, 1, None, [GREEDY])
-        policy.cycles += 1
-        policy.update(1, 1, 1.2, [1], [GREEDY])
-    costs = policy.relative_costs(1, [GREEDY], [3, 8])
-    assert guessed == pytest.approx(2.6, rel=0.01) and costs[8] == pytest.approx(5.0, rel=0.01)
-    assert 3 not in next(iter(policy.costs.values())).log_costs() and costs[3] < 5.0  # priced by the line
 
 
 def _asked_again(tok, ref, n):

@@ -21,13 +21,13 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     in use: tests replace it) whether the engine decodes plainly now, through a weak
     reference: a drafter that held its engine would keep the engine, and every cache it
     holds, alive after its last use until a garbage collection."""
-    vocab_size = pieces.parts.args.vocab_size
+    suffix = SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share)
     if engine.config.draft_source == "suffix":
-        return SuffixProposer(vocab_size, share=engine.config.suffix_share)
+        return suffix
     if pieces.head is None:
         return None
     ref = weakref.ref(engine)
     head = MTPProposer(pieces, lambda: ref().policy.plain_regime())
     if not engine.config.suffix_drafts or engine.coordinator.lockstep:
         return head
-    return HybridProposer(head, SuffixProposer(vocab_size, share=engine.config.suffix_share), MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)
+    return HybridProposer(head, suffix, MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)

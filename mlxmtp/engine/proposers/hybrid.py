@@ -2,9 +2,9 @@
 more tokens per unit of verify cost.
 
 Each cycle the depth policy chooses the head's depth k (0: plain decoding). `plan` then asks
-the suffix drafter for each row's proposal (rows whose proposals went untaken a while are
-asked less often: hybrid_plan.Lookups) (suffix_index.Draft: its tokens, and probs[i], the
-estimated probability that the first i + 1 are all kept) and picks the cycle's depth K among k
+the suffix drafter for each row's proposal (suffix_index.Draft: its tokens, and probs[i], the
+estimated probability that the first i + 1 are all kept; a row whose proposals went untaken
+for a while is asked less often, hybrid_plan.Lookups) and picks the cycle's depth K among k
 and the proposals' lengths (hybrid_plan.choose): the depth with the most expected tokens per
 unit of cost over the batch, each row taking at that depth the source that expects more.
 
@@ -16,8 +16,8 @@ on them when it next drafts (mtp_inputs).
 
 A cycle with suffix rows needs every row's tokens on the host: `needs_host_tokens` then tells
 the engine to read the cycle in flight first (no pipelined drafting for that cycle); head-only
-cycles pipeline as the head alone does. A suffix cycle's time prices its depth for the plan
-where that is past the head's (Policy.update_cost); it teaches the policy nothing else.
+cycles pipeline as the head alone does. A cycle with suffix drafts teaches the depth policy
+nothing (its acceptance and its cost are not the head's).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ actually kept. A cycle of depth K with the head at depth min(k, K) yields, per u
 
     rate(K) = sum over rows of max(E_h(min(k, K)), E_s(K)) / c(K),
 
-c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements, suffix
-cycles' included, plain decoding = 1; `DEFAULT_SLOPE` per draft where it has none). The plan takes the K with
+c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements,
+plain decoding = 1; `DEFAULT_SLOPE` per draft where it has none). The plan takes the K with
 the highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
 long draft may pay cut short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The
 head runs only if some row takes its drafts.
