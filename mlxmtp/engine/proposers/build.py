@@ -21,13 +21,15 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     in use: tests replace it) whether the engine decodes plainly now, through a weak
     reference: a drafter that held its engine would keep the engine, and every cache it
     holds, alive after its last use until a garbage collection."""
-    suffix = SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share)
+    def suffix() -> SuffixProposer:
+        return SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share)
+
     if engine.config.draft_source == "suffix":
-        return suffix
+        return suffix()
     if pieces.head is None:
         return None
     ref = weakref.ref(engine)
     head = MTPProposer(pieces, lambda: ref().policy.plain_regime())
     if not engine.config.suffix_drafts or engine.coordinator.lockstep:
         return head
-    return HybridProposer(head, suffix, MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)
+    return HybridProposer(head, suffix(), MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)

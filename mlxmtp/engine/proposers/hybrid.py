@@ -61,7 +61,7 @@ class HybridProposer(Proposer):
         if cap == 0 or any(r.req.num_draft is not None for r in rows):  # a pinned depth is the head's
             self.plan_ = head_only(k)
             return k
-        looked = [r.req.id for r in rows if self.lookups.due(r.req.id)]
+        looked = {r.req.id for r in rows if self.lookups.due(r.req.id)}
         proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) if r.req.id in looked else _NONE
                      for r in rows]
         self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable())

@@ -143,7 +143,7 @@ class Lookups:
         self.wait[request_id] = max(0, left - 1)
         return left == 0
 
-    def update(self, looked: Sequence[int], taken: set) -> None:
+    def update(self, looked: set, taken: set) -> None:
         """`looked`: the rows looked up this cycle; `taken`: those whose drafts the plan took."""
         for rid in looked:
             n = 0 if rid in taken else self.untaken.get(rid, 0) + 1
