@@ -248,9 +248,9 @@ class SharedOutputs:
         if not self.chunks or self.chunks[-1].tokens + len(output) > self.chunk_cap:
             self.chunks.append(TokenIndex(**self._index_args))
         self.chunks[-1].extend(output, separate=True)
-        while sum(c.tokens for c in self.chunks) > self.cap and len(self.chunks) > 1:
-            self.chunks.popleft()
         self.tokens = sum(c.tokens for c in self.chunks)
+        while self.tokens > self.cap and len(self.chunks) > 1:
+            self.tokens -= self.chunks.popleft().tokens
         self.nbytes = sum(c.nbytes for c in self.chunks)
 
 

@@ -55,7 +55,6 @@ class HybridProposer(Proposer):
 
     # ------------------------------------------------------------ the plan
     def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
-        self.drop_absent({r.req.id for r in rows})
         self.calibration.fade()
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if cap == 0 or any(r.req.num_draft is not None for r in rows):  # a pinned depth is the head's

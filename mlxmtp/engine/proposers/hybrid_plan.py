@@ -109,8 +109,7 @@ class Reach:
         return self.of.get(request_id, FIRST_REACH)
 
     def forget_absent(self, present: set) -> None:
-        for rid in [rid for rid in self.of if rid not in present]:
-            del self.of[rid]
+        forget_absent(self.of, present)
 
     def update(self, rows: Sequence, plan: CyclePlan, consumed: List[int]) -> None:
         for row, n in zip(rows, consumed):
@@ -150,9 +149,14 @@ class Lookups:
             self.untaken[rid], self.wait[rid] = n, min(self.MAX_GAP, n // self.BACKOFF)
 
     def forget_absent(self, present: set) -> None:
-        for table in (self.untaken, self.wait):
-            for rid in [rid for rid in table if rid not in present]:
-                del table[rid]
+        forget_absent(self.untaken, present)
+        forget_absent(self.wait, present)
+
+
+def forget_absent(table: Dict[int, object], present: set) -> None:
+    """Drops the entries of requests no longer in the batch from a per-request table."""
+    for rid in [rid for rid in table if rid not in present]:
+        del table[rid]
 
 
 def expected(probs: Sequence[float], f: float, K: int) -> float:

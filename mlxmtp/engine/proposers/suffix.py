@@ -63,7 +63,6 @@ class SuffixProposer(Proposer):
         return self._sync(row).drafter.propose(max_len=max_len)
 
     def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
-        self.drop_absent({r.req.id for r in rows})
         out = []
         for row in rows:
             draft = self.proposal(row, k).tokens[:k]
@@ -90,7 +89,7 @@ class SuffixProposer(Proposer):
 
     def drop_absent(self, present: set) -> None:
         """Requests no longer in the batch: their outputs go to the shared index (the engine
-        calls this as rows leave; `propose` again, for a caller driving it alone). A request
+        calls this as rows leave). A request
         sent back to wait for memory (engine/memory.py) leaves and comes back: what it adds
         when it leaves again is only what it wrote since (`_shared_upto`)."""
         for rid in [rid for rid in self.states if rid not in present]:
