@@ -145,6 +145,8 @@ def main():
     model, tok = load(args.model)
     prompts = prompts_of(model, tok, args.workload, args.max_tokens)
     BatchGenerator(model, tok).calibrate(1)  # what the server does at start-up
+    if args.suffix:  # engines with suffix drafts keep a policy of their own (engine/pieces.shared_policy)
+        BatchGenerator(model, tok, EngineConfig(suffix_drafts=True)).calibrate(1)
     run(model, tok, 2, 10, True)  # warm-up
     print(f"model: {args.model or 'demo'}   temp={args.temp}   max_tokens={args.max_tokens}   "
           f"rounds={args.rounds}   workload={args.workload} (medians)")

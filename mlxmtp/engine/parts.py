@@ -44,7 +44,7 @@ def make_parts(model, config: EngineConfig, coordinator: Optional[Coordinator] =
     # compile_steps: off by default, to be measured on a GPU (engine/compiled_head.py). The
     # suffix drafter leaves the head out: no head caches, passes or memory for it.
     pieces = model_pieces(model, c.enable_mtp and c.draft_source == "mtp", c.compile_steps)
-    policy = coordinator.policy(shared_policy(model, c.max_depth, c.num_draft, c.draft_source)
+    policy = coordinator.policy(shared_policy(model, c.max_depth, c.num_draft, c.draft_source, c.suffix_drafts)
                                 if pieces.head is not None else DepthPolicy(c.max_depth, fixed=c.num_draft))
     adapter.prepare_model(pieces.parts.text_model)
     agree = coordinator.agreement()

@@ -42,18 +42,22 @@ def model_pieces(model, enable_mtp: bool, compile_steps: bool = False) -> ModelP
     return ModelPieces(parts, head, vocab, hidden_state, compile_steps)
 
 
-def shared_policy(model, max_depth: int, num_draft: Optional[int], source: str = "mtp") -> DepthPolicy:
+def shared_policy(model, max_depth: int, num_draft: Optional[int], source: str = "mtp",
+                  beside_suffix: bool = False) -> DepthPolicy:
     """The depth policy for these settings, shared by every engine of the model that drafts
-    with its head.
+    with its head in the same way.
 
     Costs and acceptance belong to the model on this machine, not to one engine: engines
     of the same model (e.g. successive `generate` calls) share what was learnt. An engine
     that does not draft with the head (MTP off) gets a policy of its own (engine/parts.py):
     its plain cycles, without the head's work, timed beside the head's drafting cycles of
     another engine, would price drafting too dear (`mlxmtp bench` and bench/decode.py run
-    MTP off and adaptive depth in one process)."""
+    MTP off and adaptive depth in one process). Engines with suffix drafts beside the head
+    (`beside_suffix`) keep one apart from engines with the head alone: the head drafts there
+    only where the suffix has nothing, the harder text, and what it keeps there would hold
+    a head-alone engine's depth down (BENCHMARKS.md, depth policy)."""
     policies = model.policies if isinstance(model, MTPModel) else None
-    key = (max_depth, num_draft, source)
+    key = (max_depth, num_draft, source, beside_suffix)
     if policies is not None and key in policies:
         return policies[key]
     policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)

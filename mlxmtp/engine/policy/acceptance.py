@@ -86,6 +86,11 @@ class Acceptance:
         """How many first drafts rows of class `cls` have had tried, ever (not decayed)."""
         return self._first_tried[cls]
 
+    def tried_at(self, cls: Hashable, k: int) -> float:
+        """First drafts tried at depth k by rows of class `cls`, in steady cycles (decayed):
+        how much of a depth's own estimate is its own, and not its class's."""
+        return self.tried[cls, k][1] if (cls, k) in self.tried else 0.0
+
     def _counts(self, key):
         if key not in self.kept:
             self.kept[key], self.tried[key] = [0.0] * (self.max_depth + 1), [0.0] * (self.max_depth + 1)

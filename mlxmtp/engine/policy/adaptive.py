@@ -18,7 +18,10 @@ alternating blocks; a start-up calibration (engine/policy/calibration.py: the fi
 bucket only, both kinds) only gives priors, which a live ratio replaces. Until the head's
 first drafts have been tried a few times, drafting goes on wherever it could pay
 (`_learning`): plain decoding chosen on the prior acceptance alone would never learn
-that the head is good.
+that the head is good. Likewise a depth's acceptance is its own (what its class's says
+can be far off), so a depth that could beat the regime is probed long enough to try
+`learn_drafts` drafts of its own (`_worth_learning`); and where deeper depths are priced
+only by the line, probes climb one depth at a time (`probes.climb`).
 
 On a backend where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0)
 for every k > 0 and the policy settles on 0: as fast as MTP off, up to the probe cycles,
@@ -27,6 +30,8 @@ which are then rare (not even perfect drafts could pay).
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -62,11 +67,11 @@ class PolicyConfig:
     margin: float = 0.05  # drafting must beat plain decoding by this much
     hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
     min_samples: int = 3  # cost samples before a depth counts as measured
-    learn_drafts: int = 8  # first drafts tried per class before plain decoding may be chosen (_learning)
+    learn_drafts: int = 8  # first drafts a class (_learning), and a depth (_worth_learning), must try
     burst: int = 3  # cycles per calibration block / probe without a partner
     prior_accept: float = 0.5  # acceptance assumed before any draft was tried
     prior_weight: float = 2.0  # pseudo-counts of that prior
-    depth_weight: float = 10.0  # pseudo-counts shrinking a depth's acceptance to its class's
+    depth_weight: float = 4.0  # pseudo-counts shrinking a depth's acceptance to its class's
     decay: float = 0.998  # per-cycle forgetting of acceptance counts
     calibrate: bool = True  # measure cycle costs before the first cycle of a batch bucket
 
@@ -95,6 +100,8 @@ class DepthPolicy(Policy):
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
+        self._classes: List[Hashable] = [None]  # the rows' classes in the cycle being chosen
+        self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`_worth_learning`)
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs (engine/policy/calibration.py) before
@@ -159,12 +166,14 @@ class DepthPolicy(Policy):
             n = self._calibration.get(key, 0)
             self._calibration[key] = n + 1
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
-        classes = list(classes) if classes else [None]
+        classes = self._classes = list(classes) if classes else [None]
         mean, bound = self._rates(costs, classes, False), self._rates(costs, classes, True)
+        self._unlearnt = self._worth_learning(mean, bound)
         best = max(mean, key=mean.get)
         if not self._calibrated(key, best):
-            if probes.fits(self._probe_plan(best), limit):
-                return self._because(PROBE, self._start_probe(best))
+            step = probes.climb(best, self._costs(key).log_costs())
+            if probes.fits(self._probe_plan(step), limit):
+                return self._because(PROBE, self._start_probe(step))
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
         if self._learning(key, classes, bound):
             best, why = self._learning_depth(key, bound), LEARNING
@@ -227,8 +236,12 @@ class DepthPolicy(Policy):
         others = [k for k in costs if k != best and probes.fits(self._probe_plan(k), limit)]
         if not others:
             return None
-        alt = probes.target(others, best, mean, bound, self._costs(key).measured_at)
-        loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, mean)
+        alt = probes.climb(probes.target(others, best, mean, bound, self._costs(key).measured_at),
+                           self._costs(key).log_costs())
+        # A depth whose acceptance is still mostly its class's (thin) is priced by what it
+        # could turn out to be: only its own cycles can show it better than the class says.
+        rates = {**mean, alt: bound[alt]} if alt in self._unlearnt else mean
+        loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, rates)
         if best == 0:
             loss += self.switch.cost(key)
         measured = [k for k in others if self._calibrated(key, k)]
@@ -253,7 +266,21 @@ class DepthPolicy(Policy):
         return k
 
     def _probe_plan(self, k: int) -> List[int]:
-        return probes.plan(k, self.regime, self.cfg.burst)
+        return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0))
+
+    def _worth_learning(self, mean: Dict[int, float], bound: Dict[int, float]) -> Dict[int, int]:
+        """{depth: steady cycles it needs} for the drafting depths that could beat the regime
+        (by the optimistic estimates) and whose own steady cycles have tried fewer than
+        `learn_drafts` first drafts for a class of the batch (why: probes.plan)."""
+        regime = mean.get(self.regime, max(mean.values()))
+        rows = Counter(self._classes)
+        out = {}
+        for k in mean:
+            if k > 0 and bound[k] > regime:
+                need = max((self.cfg.learn_drafts - self.accept.tried_at(cls, k)) / n for cls, n in rows.items())
+                if need > 0:
+                    out[k] = math.ceil(need)
+        return out
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:

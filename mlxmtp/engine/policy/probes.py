@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 
-def plan(k: int, regime: int, burst: int) -> List[int]:
-    """The depths of a probe's cycles at depth k, the first included.
+def plan(k: int, regime: int, burst: int, learn: int = 0) -> List[int]:
+    """The depths of a probe's cycles at depth k, the first included; `learn`: steady cycles
+    of k it must have at least.
 
     A probe measures the cost ratio of its depth to a measured partner's and its
     acceptance in steady state. Ratios come from neighbouring cycles (see cycle_costs), so
@@ -26,9 +27,27 @@ def plan(k: int, regime: int, burst: int) -> List[int]:
     from there would otherwise stay unmeasured for good). Acceptance is counted only in a
     cycle that follows one of the same depth: a depth drafts from other positions than
     the one before it did, and on text where easy and hard tokens follow a pattern the
-    first cycle says little."""
+    first cycle says little.
+
+    A depth's acceptance is not its class's either: on text whose hard tokens recur, whether
+    they fall on drafted positions or on the verify's free token depends on k + 1 (the demo's
+    repeat workload keeps 84% of first drafts at k = 3 and 58% at k = 1). A depth that could
+    beat the regime and has tried few drafts of its own (DepthPolicy._worth_learning) is
+    probed until it has: two steady cycles at a time, its estimate stays its class's."""
     partner = regime if k > 0 and regime > 0 else (1 if k > 1 else None)
-    return [k] * burst if partner is None else [k, k, partner, k, k]
+    cycles = [k] * burst if partner is None else [k, k, partner, k, k]
+    steady = sum(a == b == k for a, b in zip(cycles, cycles[1:]))  # those that teach acceptance
+    return cycles + [k] * max(0, learn - steady)
+
+
+def climb(best: int, priced: Dict[int, float]) -> int:
+    """The depth to probe on the way to `best`: the shallowest below it that nothing prices
+    (`priced`: CycleCosts.log_costs) but the line through measured depths, else `best`. A
+    table with no calibration (a batch bucket reached later) has plain decoding and k = 1
+    measured, and the line's guess for deep depths is optimistic: where a verify's cost grows
+    with its tokens (a compute-bound batch) a first probe at k = 4 cost several plain
+    cycles. One depth at a time, each probe corrects the line before a dearer one is tried."""
+    return next((k for k in range(1, best) if k not in priced), best)
 
 
 def fits(depths: List[int], limit: Optional[int]) -> bool:
