@@ -100,7 +100,6 @@ class DepthPolicy(Policy):
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
-        self._classes: List[Hashable] = [None]  # the rows' classes in the cycle being chosen
         self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`_worth_learning`)
 
     def needs_costs(self, batch_size: int) -> bool:
@@ -166,9 +165,9 @@ class DepthPolicy(Policy):
             n = self._calibration.get(key, 0)
             self._calibration[key] = n + 1
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
-        classes = self._classes = list(classes) if classes else [None]
+        classes = list(classes) if classes else [None]
         mean, bound = self._rates(costs, classes, False), self._rates(costs, classes, True)
-        self._unlearnt = self._worth_learning(mean, bound)
+        self._unlearnt = self._worth_learning(mean, bound, classes)
         best = max(mean, key=mean.get)
         if not self._calibrated(key, best):
             step = probes.climb(best, self._costs(key).log_costs())
@@ -268,12 +267,13 @@ class DepthPolicy(Policy):
     def _probe_plan(self, k: int) -> List[int]:
         return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0))
 
-    def _worth_learning(self, mean: Dict[int, float], bound: Dict[int, float]) -> Dict[int, int]:
+    def _worth_learning(self, mean: Dict[int, float], bound: Dict[int, float],
+                        classes: List[Hashable]) -> Dict[int, int]:
         """{depth: steady cycles it needs} for the drafting depths that could beat the regime
         (by the optimistic estimates) and whose own steady cycles have tried fewer than
         `learn_drafts` first drafts for a class of the batch (why: probes.plan)."""
         regime = mean.get(self.regime, max(mean.values()))
-        rows = Counter(self._classes)
+        rows = Counter(classes)
         out = {}
         for k in mean:
             if k > 0 and bound[k] > regime:
