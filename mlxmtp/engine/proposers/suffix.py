@@ -89,9 +89,9 @@ class SuffixProposer(Proposer):
 
     def drop_absent(self, present: set) -> None:
         """Requests no longer in the batch: their outputs go to the shared index (the engine
-        calls this as rows leave). A request
-        sent back to wait for memory (engine/memory.py) leaves and comes back: what it adds
-        when it leaves again is only what it wrote since (`_shared_upto`)."""
+        calls this as rows leave). A request sent back to wait for memory (engine/memory.py)
+        leaves and comes back: what it adds when it leaves again is only what it wrote since
+        (`_shared_upto`)."""
         for rid in [rid for rid in self.states if rid not in present]:
             output = self.states.pop(rid).drafter.output()
             start = self._shared_upto.pop(rid, 0)
