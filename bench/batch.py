@@ -16,13 +16,16 @@ while 1, 3 or 7 requests join it (their prefills run between its cycles).
     python bench/batch.py [--model PATH] [--max-tokens 100] [--concurrency 1,4,8,16] [--rounds 3] [--temp 0.6]
     python bench/batch.py --concurrency 4,8 --depths 1,2,3 --rounds 4 --no-joins
     python bench/batch.py --concurrency 4,8 --suffix --workload mix --no-joins
+    python bench/batch.py --concurrency 4,8 --suffix --workload agents --max-tokens 300 --no-joins
 
 `--temp`: every request samples at that temperature (seeded: the same tokens on both sides).
 `--suffix`: a setting "sfx" beside the others, adaptive with suffix drafts as `serve` runs
 it, with its own "sfx/best fixed" line and "sfx/on" (suffix drafts against MTP alone).
 `--workload mix`: every other request asks again for what the model wrote for its prompt
 (the prompt, the model's answer, the prompt: text to copy, as an agent re-emitting what it
-read); the rest are the plain prompts.
+read); the rest are the plain prompts. `--workload agents`: every other request is a copy or
+edit task on a held-out file (an Edit tool call, a file printed with a name changed:
+mlxmtp/models/demo_tasks.py); the rest are the plain prompts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.models import demo_tasks
 from mlxmtp.models.load import load
 
 PROMPTS = [
@@ -56,6 +60,10 @@ def prompts_of(model, tok, workload: str, max_tokens: int):
     plain = [tok.encode(p) for p in PROMPTS]
     if workload == "plain":
         return plain
+    if workload == "agents":
+        tasks = demo_tasks.held_out_tasks("edit", 2) + demo_tasks.held_out_tasks("rename", 2)
+        edits = [tok.encode(demo_tasks.render(tok, task, with_answer=False)) for task in tasks]
+        return [p for pair in zip(plain, edits) for p in pair]
     out = []
     for p in plain:
         eng, said = BatchGenerator(model, tok, EngineConfig(enable_mtp=False)), []
@@ -139,8 +147,9 @@ def main():
     ap.add_argument("--depths", default="", help="fixed draft depths to run beside MTP off and adaptive, e.g. 1,2,3")
     ap.add_argument("--no-joins", action="store_true", help="skip the join-latency part")
     ap.add_argument("--suffix", action="store_true", help="add adaptive with suffix drafts (sfx), as serve runs")
-    ap.add_argument("--workload", choices=("plain", "mix"), default="plain",
-                    help="mix: every other request asks again for the model's answer to its prompt")
+    ap.add_argument("--workload", choices=("plain", "mix", "agents"), default="plain",
+                    help="mix: every other request asks again for the model's answer to its prompt; "
+                         "agents: every other request is a copy or edit task on a held-out file")
     args = ap.parse_args()
     model, tok = load(args.model)
     prompts = prompts_of(model, tok, args.workload, args.max_tokens)

@@ -16,8 +16,10 @@ and measured/ideal is the engine's efficiency (draft cost and overhead included)
     python bench/decode.py --models /path/to/mlx-model --max-tokens 200
     python bench/decode.py --models demo --temps 0 --depths 2,3 --pipelined   # each depth also pipelined
     python bench/decode.py --models demo --depths 3 --suffix --workload repeat  # suffix drafts, text that repeats
+    python bench/decode.py --models demo --depths 2,3 --suffix --workload edit --max-tokens 400  # agents' edits
 
-Prompts: code, a different one each round (the demo model's held-out prompts).
+Prompts: code, a different one each round (the demo model's held-out prompts); with
+`--workload rename|edit`, copy and edit tasks on held-out files (demo_tasks.py), chat-rendered.
 Models: `demo` (the packaged demo model), `demo-4bit` (built by bench/quantized_demo.py
 into a temporary folder), or a path / HF id.
 """
@@ -38,6 +40,7 @@ from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import stream_generate
 from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.mlxlm import adapter
+from mlxmtp.models import demo_tasks
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 from mlxmtp.models.load import load
@@ -188,6 +191,9 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
     prompts = [tok.encode(p) for p in PROMPTS]
     if workload == "repeat":
         prompts = [asked_again(ref, tok, p, max_tokens) for p in prompts]
+    elif workload in ("rename", "edit"):
+        prompts = [tok.encode(demo_tasks.render(tok, task, with_answer=False))
+                   for task in demo_tasks.held_out_tasks(workload, rounds)]
     drafting = [(f"mlxmtp k={k}", k) for k in depths] + [("mlxmtp adaptive", "adaptive")]
     variants = [v for v, on in (("compiled", compiled), ("pipelined", pipelined), ("suffix", suffix)) if on]
     twins = [(f"{label}, {v}", k) for v in variants for label, k in drafting]
@@ -317,8 +323,10 @@ def main():
                     help="also run each drafting setting with pipeline_drafts (each cycle built on the unread one)")
     ap.add_argument("--suffix", action="store_true",
                     help="also run each drafting setting with suffix drafts beside the head")
-    ap.add_argument("--workload", choices=["code", "repeat"], default="code",
-                    help="code: the held-out prompts; repeat: each prompt, the model's answer and the prompt again")
+    ap.add_argument("--workload", choices=["code", "repeat", "rename", "edit"], default="code",
+                    help="code: the held-out prompts; repeat: each prompt, the model's answer and the prompt again; "
+                         "rename: print a held-out file with a name changed; edit: an Edit tool call on a held-out "
+                         "file read earlier in the conversation (mlxmtp/models/demo_tasks.py)")
     ap.add_argument("--shape-stable", action="store_true",
                     help="shape-stable caches on every mlxmtp engine (the GPU default) on any backend")
     ap.add_argument("--markdown", action="store_true")

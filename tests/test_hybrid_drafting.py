@@ -153,14 +153,21 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     assert plan.depth in hybrid_plan.SHAPE_BUCKETS and plan.head_depth == 0
     # A draft rejected at its first token is evidence about that token alone; drafts that
     # keep failing bring the class's factor down, and it recovers as cycles pass.
+    fresh = (GREEDY, False)
+    assert plan.classes[1] == fresh
     cal.update(rows[:1], plan, [1, 1])
-    assert 0.6 < cal.factor(GREEDY) < 0.7
+    assert 0.6 < cal.factor(fresh) < 0.7
     for _ in range(5):
         cal.update(rows[:1], plan, [1, 1])
-    assert cal.factor(GREEDY) < 0.3
+    assert cal.factor(fresh) < 0.3
+    # ... but not a row whose last suffix draft was kept whole: it is calibrated apart.
+    assert cal.factor((GREEDY, True)) == 1.0
+    plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32, streaks={1: True})
+    assert plan.depth == 16 and plan.classes[1] == (GREEDY, True)
+    assert hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32).depth < 16
     for _ in range(200):
         cal.fade()
-    assert cal.factor(GREEDY) > 0.9
+    assert cal.factor(fresh) > 0.9
 
 
 def test_rows_whose_drafts_go_untaken_are_looked_up_less_often():
@@ -251,11 +258,11 @@ def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
     plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: GREEDY})
     assert reach.get(1) == hybrid_plan.FIRST_REACH == 8
     reach.update([row], plan, [9])  # all 8 kept
-    assert reach.get(1) == 16
+    assert reach.get(1) == 16 and reach.whole == {1: True}
     reach.update([row], plan, [3])  # 2 kept: as it was
-    assert reach.get(1) == 16
+    assert reach.get(1) == 16 and reach.whole == {1: False}
     for want in (8, 4, 4):  # the first draft rejected
         reach.update([row], plan, [1])
         assert reach.get(1) == want
     reach.forget_absent(set())
-    assert reach.get(1) == 8
+    assert reach.get(1) == 8 and reach.whole == {}

@@ -63,7 +63,8 @@ class HybridProposer(Proposer):
         looked = {r.req.id for r in rows if self.lookups.due(r.req.id)}
         proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) if r.req.id in looked else _NONE
                      for r in rows]
-        self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable())
+        self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable(),
+                            self.reach.whole)
         self.lookups.update(looked, set(self.plan_.suffix))
         return self.plan_.depth
 

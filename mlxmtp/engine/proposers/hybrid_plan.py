@@ -50,7 +50,8 @@ class CyclePlan:
     depth: int  # K: drafts verified per row this cycle
     head_depth: int  # drafts the head chains (0: the head does not run)
     suffix: Dict[int, List[float]]  # request id -> its suffix draft's probs (cut to the depth)
-    classes: Dict[int, Hashable]  # request id -> its acceptance class (rows drafting from the suffix)
+    # request id -> its calibration key (rows drafting from the suffix): (acceptance class, streak)
+    classes: Dict[int, Hashable]
 
     def suffix_rows(self, rows: Sequence) -> List[bool]:
         return [r.req.id in self.suffix for r in rows]
@@ -61,7 +62,7 @@ def head_only(k: int) -> CyclePlan:
 
 
 class Calibration:
-    """Per acceptance class, the share of suffix draft tokens kept against the share the suffix
+    """Per calibration key (acceptance class, streak), the share of suffix draft tokens kept against the share the suffix
     index predicted, over the tokens a verify reached (a draft rejected at its first token is
     evidence about one token, not about the rest): the index assumes a continuation seen before
     comes again, which sampling (a draft is kept with probability p(x)) and a model that writes
@@ -104,18 +105,21 @@ class Reach:
 
     def __init__(self):
         self.of: Dict[int, int] = {}  # request id -> its reach
+        self.whole: Dict[int, bool] = {}  # request id -> whether its last suffix draft was kept whole
 
     def get(self, request_id: int) -> int:
         return self.of.get(request_id, FIRST_REACH)
 
     def forget_absent(self, present: set) -> None:
         forget_absent(self.of, present)
+        forget_absent(self.whole, present)
 
     def update(self, rows: Sequence, plan: CyclePlan, consumed: List[int]) -> None:
         for row, n in zip(rows, consumed):
             probs = plan.suffix.get(row.req.id)
             if probs:
                 reach = self.get(row.req.id)
+                self.whole[row.req.id] = n - 1 >= len(probs)
                 if n - 1 >= len(probs):
                     reach *= 2
                 elif n == 1:
@@ -184,14 +188,16 @@ def _depths(k: int, proposals: Sequence, cap: int, shape_stable: bool) -> List[i
 
 
 def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Calibration, cap: int,
-           shape_stable: bool = False) -> CyclePlan:
-    """The plan of one cycle (see the module docstring); proposals[b]: row b's suffix_index.Draft."""
+           shape_stable: bool = False, streaks: Optional[Dict[int, bool]] = None) -> CyclePlan:
+    """The plan of one cycle (see the module docstring); proposals[b]: row b's suffix_index.Draft;
+    streaks: request id -> whether its last suffix draft was kept whole (Reach.whole)."""
     proposals = [p if p.match_len >= MIN_MATCH else p._replace(tokens=[], probs=[]) for p in proposals]
     if not any(p.tokens for p in proposals):
         return head_only(k)
     classes = acceptance_classes(rows)
     e_head = _head_tokens(policy, classes, k)
-    f = [calibration.factor(c) for c in classes]
+    keys = [(c, bool((streaks or {}).get(r.req.id))) for c, r in zip(classes, rows)]
+    f = [calibration.factor(key) for key in keys]
     depths = _depths(k, proposals, cap, shape_stable)
     costs = _costs(policy, len(rows), classes, depths)
     best: Optional[tuple] = None
@@ -207,7 +213,7 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
     head_depth = min(k, K) if not all(suffix_rows) else 0
     ids = [r.req.id for r in rows]
     probs = {i: list(p.probs[:K]) for i, p, use in zip(ids, proposals, suffix_rows) if use}
-    return CyclePlan(K, head_depth, probs, {i: c for i, c in zip(ids, classes) if i in probs})
+    return CyclePlan(K, head_depth, probs, {i: key for i, key in zip(ids, keys) if i in probs})
 
 
 def _head_tokens(policy, classes: List[Hashable], k: int) -> List[float]:
