@@ -17,6 +17,8 @@ import random
 import re
 from pathlib import Path
 
+from .demo import PACKAGED
+
 EDIT_TOOLS = [
     {"type": "function", "function": {
         "name": "Read", "description": "Read a file.",
@@ -111,8 +113,6 @@ def random_task(path: str, text: str, rng: random.Random, max_chars: int = 600, 
 def held_out_tasks(kind: str, n: int, max_chars: int = 400, seed: int = 7) -> list:
     """Up to `n` tasks of `kind`, one per held-out file of the demo's training split
     (demo_model/training.json) that this Python's standard library has."""
-    from .demo import PACKAGED
-
     stdlib = Path(os.__file__).resolve().parent
     rng, tasks = random.Random(seed), []
     for name in json.loads((PACKAGED / "training.json").read_text())["held_out_files"]:
