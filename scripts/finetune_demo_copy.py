@@ -86,11 +86,7 @@ def gated_delta_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **
     dec_strict = mx.where(idx[:, None] > idx[None, :], dec_incl, 0.0)
     kt = k.swapaxes(-1, -2)
     N = -(beta[..., :, None] * (k @ kt) * dec_strict)
-    inv, P, covered = mx.eye(C, dtype=N.dtype) + N, N, 2
-    while covered < C:
-        P = P @ P
-        inv = inv + inv @ P
-        covered *= 2
+    inv = base.unit_lower_inverse(N)
     gamma = mx.exp(G)[..., None]
     W = inv @ (beta[..., None] * v)  # U = W - M S0^T
     M = inv @ (beta[..., None] * gamma * k)
@@ -104,24 +100,6 @@ def gated_delta_chunked(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **
         S = mx.exp(G[:, :, c, -1])[..., None, None] * S + (U * to_end[:, :, c]).swapaxes(-1, -2) @ k[:, :, c]
     y = mx.stack(ys, axis=2).reshape(B, Hv, n * C, Dv)[:, :, :T]
     return y.transpose(0, 2, 1, 3).astype(q.dtype), None
-
-
-def check_chunked_gdn() -> float:
-    """Largest difference from mlx-lm's own recurrence at SEQ_LEN + 1 positions."""
-    import mlx.core as mx
-    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
-
-    mx.random.seed(0)
-    B, T, Hk, Hv, D = 2, SEQ_LEN + 1, 2, 4, 48
-    q, k = normalize_qk(mx.random.normal((B, T, Hk, D)), mx.random.normal((B, T, Hk, D)),
-                        inv_scale=D ** -0.5, eps=1e-6)
-    v = mx.random.normal((B, T, Hv, D))
-    a, b = mx.random.normal((B, T, Hv)), mx.random.normal((B, T, Hv))
-    A_log, dt = mx.log(mx.random.uniform(1.0, 16.0, (Hv,))), mx.ones(Hv)
-    ref, _ = gated_delta_update(q, k, v, a, b, A_log, dt, None, None, use_kernel=False)
-    err = mx.abs(ref - gated_delta_chunked(q, k, v, a, b, A_log, dt)[0]).max().item()
-    assert err < 1e-4, err
-    return err
 
 
 def load_float32(hf: str | None):
@@ -144,6 +122,8 @@ def load_float32(hf: str | None):
 
 def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> np.ndarray:
     """[n_rows, SEQ_LEN + 2] token rows, each a run of whole tasks (the last one cut)."""
+    from mlxmtp.models import demo_tasks  # with the chat tokenizer: only when rows are built
+
     eot = tok.token_to_id("<|endoftext|>")
     texts = [(p.relative_to(base.stdlib_dir()).as_posix(), base.read(p)) for p in files]
     rows = []
@@ -151,7 +131,7 @@ def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> np.ndarr
         row = []
         while len(row) < SEQ_LEN + 2:
             task = _task(texts, rng)
-            row += tok.encode(_render(chat_tok, task)).ids + [eot]
+            row += tok.encode(demo_tasks.render(chat_tok, task, with_answer=True)).ids + [eot]
         rows.append(row[: SEQ_LEN + 2])
     return np.asarray(rows, dtype=np.int32)
 
@@ -180,12 +160,6 @@ def _task(texts, rng):
         task = demo_tasks.random_task(path, text, rng, max_chars=rng.choice([250, 400, 600]))
         if task is not None and (task[1] is None or len(task[0][-1]["content"]) <= 400):
             return task
-
-
-def _render(chat_tok, task) -> str:
-    from mlxmtp.models import demo_tasks
-
-    return demo_tasks.render(chat_tok, task, with_answer=True)
 
 
 def copy_rate(model, tok_wrapper, tasks, max_tokens: int = 400) -> float:
@@ -245,7 +219,7 @@ def cmd_train(args) -> None:
     eval_batch = mx.array(np.stack([held[s:s + 130] for s in np.random.default_rng(base.SEED + 1).integers(
         0, len(held) - 130, size=base.BATCH)]))
 
-    print(f"chunked gated delta rule vs mlx-lm recurrence: max abs diff {check_chunked_gdn():.2e}", flush=True)
+    print(f"chunked gated delta rule vs mlx-lm recurrence: max abs diff {base.check_gdn_form(gated_delta_chunked, SEQ_LEN + 1, 48):.2e}", flush=True)
     held_tasks = mx.array(task_rows(held_files, chat_tok, tok, BATCH, random.Random(base.SEED + 12)))
     held_spans = mx.array(np.stack([repeated_spans(held, np.random.default_rng(base.SEED + 13 + i),
                                                    tok.get_vocab_size() - 16) for i in range(BATCH)]))
@@ -270,15 +244,16 @@ def cmd_train(args) -> None:
                           "heldout_task_agree": ev_tasks[3].item(), "heldout_spans_main_ce": ev_spans[0].item()})
             print(f"step {step:4d} loss {loss.item():.3f} main {main:.3f} head {hh:.3f} agree {agree:.2f} | "
                   f"held-out code: main {ev[0].item():.3f} agree {ev[3].item():.2f}; tasks: main "
-                  f"{ev_tasks[0].item():.3f} agree {ev_tasks[3].item():.2f}; spans {ev_spans[0].item():.3f} [{time.perf_counter() - t0:.0f}s]",
-                  flush=True)
+                  f"{ev_tasks[0].item():.3f} agree {ev_tasks[3].item():.2f}; spans {ev_spans[0].item():.3f} "
+                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
     q35.gated_delta_update = recurrent_gdn
     model.eval()
     head.eval()
     meta = json.loads((Path(args.hf or demo.PACKAGED) / "training.json").read_text())
-    run = {"steps": args.steps, "batch": BATCH, "seq_len": SEQ_LEN, "lr": LR,
-                             "task_rows": args.task_rows, "repeated_span_rows": args.repeat_rows, "seed": args.seed, "from": "export" if args.hf else "packaged demo", "seconds": round(time.perf_counter() - t0, 1),
-                             "tasks": "mlxmtp/models/demo_tasks.py on the training files", "curve": curve}
+    run = {"steps": args.steps, "batch": BATCH, "seq_len": SEQ_LEN, "lr": LR, "task_rows": args.task_rows,
+           "repeated_span_rows": args.repeat_rows, "seed": args.seed,
+           "from": "export" if args.hf else "packaged demo", "seconds": round(time.perf_counter() - t0, 1),
+           "tasks": "mlxmtp/models/demo_tasks.py on the training files", "curve": curve}
     meta["copy_finetune"] = [*meta.get("copy_finetune", []), run]
     out = Path(args.out)
     base.export_hf(model, head, cfg, tok, out, meta)

@@ -280,31 +280,43 @@ def gated_delta_parallel(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *
     dec_strict = mx.where(strict, dec_incl, 0.0)
     kt = k.swapaxes(-1, -2)
     N = -(beta[..., :, None] * (k @ kt) * dec_strict)
-    eye = mx.eye(T, dtype=N.dtype)
-    inv, P, covered = eye + N, N, 2
-    while covered < T:
-        P = P @ P
-        inv = inv + inv @ P
-        covered *= 2
+    inv = unit_lower_inverse(N)
     U = inv @ (beta[..., None] * v)
     y = ((q @ kt) * dec_incl) @ U
     return y.transpose(0, 2, 1, 3).astype(q.dtype), None
 
 
-def check_parallel_gdn() -> float:
+def unit_lower_inverse(N):
+    """(I - N)^-1, as prod_j (I + N^(2^j)) for a strictly lower-triangular [..., T, T] N
+    (nilpotent: the product ends once 2^j reaches T), all matmuls."""
+    import mlx.core as mx
+
+    T = N.shape[-1]
+    inv, P, covered = mx.eye(T, dtype=N.dtype) + N, N, 2
+    while covered < T:
+        P = P @ P
+        inv = inv + inv @ P
+        covered *= 2
+    return inv
+
+
+def check_gdn_form(form=None, T: int = SEQ_LEN + 1, D: int = 64) -> float:
+    """Largest difference between a training form of the gated delta rule (default: the
+    parallel one) and mlx-lm's own recurrence, on random inputs of T positions."""
     import mlx.core as mx
     from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+    form = form or gated_delta_parallel
     mx.random.seed(0)
-    B, T, Hk, Hv, D = 2, SEQ_LEN + 1, 2, 4, 64
+    B, Hk, Hv = 2, 2, 4
     q, k = normalize_qk(mx.random.normal((B, T, Hk, D)), mx.random.normal((B, T, Hk, D)),
                         inv_scale=D ** -0.5, eps=1e-6)
     v = mx.random.normal((B, T, Hv, D))
     a, b = mx.random.normal((B, T, Hv)), mx.random.normal((B, T, Hv))
     A_log, dt = mx.log(mx.random.uniform(1.0, 16.0, (Hv,))), mx.ones(Hv)
     ref, _ = gated_delta_update(q, k, v, a, b, A_log, dt, None, None, use_kernel=False)
-    par, _ = gated_delta_parallel(q, k, v, a, b, A_log, dt)
-    err = mx.abs(ref - par).max().item()
+    out, _ = form(q, k, v, a, b, A_log, dt)
+    err = mx.abs(ref - out).max().item()
     assert err < 1e-4, err
     return err
 
@@ -402,7 +414,7 @@ def cmd_train(args) -> None:
 
     import mlx_lm.models.qwen3_5 as q35
 
-    print(f"parallel gated delta rule vs mlx-lm recurrence: max abs diff {check_parallel_gdn():.2e}", flush=True)
+    print(f"parallel gated delta rule vs mlx-lm recurrence: max abs diff {check_gdn_form():.2e}", flush=True)
     recurrent_gdn = q35.gated_delta_update
     q35.gated_delta_update = gated_delta_parallel  # training only; restored before export
     cfg = model_config(tok)

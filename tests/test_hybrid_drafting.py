@@ -154,7 +154,7 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     # A draft rejected at its first token is evidence about that token alone; drafts that
     # keep failing bring the class's factor down, and it recovers as cycles pass.
     fresh = (GREEDY, False)
-    assert plan.classes[1] == fresh
+    assert plan.calibration_keys[1] == fresh
     cal.update(rows[:1], plan, [1, 1])
     assert 0.6 < cal.factor(fresh) < 0.7
     for _ in range(5):
@@ -163,7 +163,7 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     # ... but not a row whose last suffix draft was kept whole: it is calibrated apart.
     assert cal.factor((GREEDY, True)) == 1.0
     plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32, streaks={1: True})
-    assert plan.depth == 16 and plan.classes[1] == (GREEDY, True)
+    assert plan.depth == 16 and plan.calibration_keys[1] == (GREEDY, True)
     assert hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32).depth < 16
     for _ in range(200):
         cal.fade()
@@ -255,7 +255,7 @@ def test_a_request_drafts_from_finished_outputs_unless_sharing_is_off(share):
 
 def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
     reach, row = hybrid_plan.Reach(), _Row(1)
-    plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: GREEDY})
+    plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: (GREEDY, False)})
     assert reach.get(1) == hybrid_plan.FIRST_REACH == 8
     reach.update([row], plan, [9])  # all 8 kept
     assert reach.get(1) == 16 and reach.whole == {1: True}

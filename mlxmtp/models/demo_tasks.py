@@ -1,8 +1,9 @@
 """Copy and edit tasks for the demo model, as chat conversations: what coding agents do
 most (print a file again with a name changed; an Edit tool call whose `old_string` is
 copied from a file read earlier). The training script fine-tunes the demo on such tasks
-built from its training files; `bench/decode.py --workload rename|edit` and the copy test
-build them from the held-out files (listed in demo_model/training.json).
+built from its training files (scripts/finetune_demo_copy.py); `bench/decode.py --workload
+rename|edit`, `bench/batch.py --workload agents` and that script's `measure` build them from
+the held-out files (listed in demo_model/training.json).
 
 Each task is (messages, tools, answer): the conversation up to the answer, the tool
 schemas it offers, and the assistant message the model should write."""

@@ -50,8 +50,8 @@ class CyclePlan:
     depth: int  # K: drafts verified per row this cycle
     head_depth: int  # drafts the head chains (0: the head does not run)
     suffix: Dict[int, List[float]]  # request id -> its suffix draft's probs (cut to the depth)
-    # request id -> its calibration key (rows drafting from the suffix): (acceptance class, streak)
-    classes: Dict[int, Hashable]
+    # request id -> its Calibration key (rows drafting from the suffix): (acceptance class, streak)
+    calibration_keys: Dict[int, Hashable]
 
     def suffix_rows(self, rows: Sequence) -> List[bool]:
         return [r.req.id in self.suffix for r in rows]
@@ -62,8 +62,8 @@ def head_only(k: int) -> CyclePlan:
 
 
 class Calibration:
-    """Per calibration key (acceptance class, streak), the share of suffix draft tokens kept against the share the suffix
-    index predicted, over the tokens a verify reached (a draft rejected at its first token is
+    """Per calibration key (acceptance class, streak), the share of suffix draft tokens kept
+    against the share the suffix index predicted, over the tokens a verify reached (a draft rejected at its first token is
     evidence about one token, not about the rest): the index assumes a continuation seen before
     comes again, which sampling (a draft is kept with probability p(x)) and a model that writes
     something else than what it read break. The evidence fades by `decay` every cycle, drafting
@@ -92,7 +92,7 @@ class Calibration:
                 kept = min(n - 1, len(probs))
                 reached = min(kept + 1, len(probs))
                 chances = [p / q if q > 0 else 0.0 for p, q in zip(probs, [1.0, *probs])]
-                cls = plan.classes[row.req.id]
+                cls = plan.calibration_keys[row.req.id]
                 self.kept[cls] = self.kept.get(cls, 0.0) + kept
                 self.predicted[cls] = self.predicted.get(cls, 0.0) + sum(chances[:reached])
 
@@ -118,9 +118,9 @@ class Reach:
         for row, n in zip(rows, consumed):
             probs = plan.suffix.get(row.req.id)
             if probs:
-                reach = self.get(row.req.id)
-                self.whole[row.req.id] = n - 1 >= len(probs)
-                if n - 1 >= len(probs):
+                reach, whole = self.get(row.req.id), n - 1 >= len(probs)
+                self.whole[row.req.id] = whole
+                if whole:
                     reach *= 2
                 elif n == 1:
                     reach = max(MIN_REACH, reach // 2)
@@ -196,7 +196,8 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
         return head_only(k)
     classes = acceptance_classes(rows)
     e_head = _head_tokens(policy, classes, k)
-    keys = [(c, bool((streaks or {}).get(r.req.id))) for c, r in zip(classes, rows)]
+    streaks = streaks or {}
+    keys = [(c, streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
     f = [calibration.factor(key) for key in keys]
     depths = _depths(k, proposals, cap, shape_stable)
     costs = _costs(policy, len(rows), classes, depths)
