@@ -7,7 +7,8 @@ from mlxmtp.engine.generate import generate
 from mlxmtp.engine.policy import adaptive
 from mlxmtp.engine.sampling.params import SamplingParams
 
-KNOWN = {adaptive.FIXED, adaptive.NO_ROOM, adaptive.CALIBRATING, adaptive.PROBE, adaptive.BEST, adaptive.HOLDING}
+KNOWN = {adaptive.FIXED, adaptive.NO_ROOM, adaptive.CALIBRATING, adaptive.PROBE, adaptive.BEST, adaptive.HOLDING,
+         adaptive.LEARNING}
 
 
 def test_reasons_cover_every_cycle(fixture_model):
