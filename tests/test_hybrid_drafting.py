@@ -253,6 +253,22 @@ def test_a_request_drafts_from_finished_outputs_unless_sharing_is_off(share):
         assert kept < 24 and eng.proposer.shared_index is None, stats["by_source"]
 
 
+def test_a_row_copying_a_long_run_drafts_long_beside_a_strong_head():
+    """The head keeps nearly all its drafts on text being copied too; a row whose last 32
+    tokens repeat earlier text still drafts long from the suffix (the rule of succession on
+    its run), though its class's calibration has seen failures. The same draft resting on a
+    4-token match does not beat the head."""
+    rows, cal = [_Row(1)], hybrid_plan.Calibration()
+    failed = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: (GREEDY, False)})
+    for _ in range(3):
+        cal.update(rows, failed, [1])
+    assert cal.factor((GREEDY, False)) < 0.5
+    strong = _Policy(a=0.96, slope=0.25)
+    copying = Draft(list(range(32)), [1.0] * 32, 32)
+    assert hybrid_plan.choose(3, rows, [copying], strong, cal, 32).depth >= 16
+    assert hybrid_plan.choose(3, rows, [copying._replace(match_len=4)], strong, cal, 32) == hybrid_plan.head_only(3)
+
+
 def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
     reach, row = hybrid_plan.Reach(), _Row(1)
     plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: (GREEDY, False)})
@@ -266,3 +282,22 @@ def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
         assert reach.get(1) == want
     reach.forget_absent(set())
     assert reach.get(1) == 8 and reach.whole == {}
+
+
+def test_suffix_cycles_teach_the_depth_policy_their_cost_and_nothing_else():
+    """A long verify of several rows can cost far more than a line through the head's depths
+    says (a compute-bound batch): suffix cycles measure it, and teach no acceptance."""
+    policy, rows = DepthPolicy(), [GREEDY] * 4
+    for cycle, (k, seconds, head) in enumerate([(0, 0.02, True), (0, 0.02, True), (8, 0.12, False)] * 3):
+        policy.cycles = cycle
+        policy.update(k, 4, seconds, [8, 8, 0, 0], rows, head=head)
+    assert policy.relative_costs(4, rows, [8])[8] == pytest.approx(6.0)
+    assert policy.accept.first_drafts_tried(GREEDY) == 0
+    # The engine times its suffix cycles (synchronous, from their launch) for the policy.
+    model, tok, ref = loaded(str(demo_model_path()))
+    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    again = prompt + reference_greedy(ref, prompt, 64) + prompt
+    eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True))
+    _run(eng, [Request(prompt=again, max_tokens=64)])
+    measured = {k for table in eng.policy.costs.values() for k in table.log_costs()}
+    assert max(measured) > eng.policy.max_depth, measured

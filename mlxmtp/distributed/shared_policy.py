@@ -52,8 +52,9 @@ class SharedPolicy(Policy):
         return k
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
-               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
-        self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds)
+               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
+               head: bool = True) -> None:
+        self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds, head)
 
     def plain_regime(self) -> bool:
         if self._plain is not None:  # shared with the depth of the cycle just chosen

@@ -44,13 +44,21 @@ class CycleClock:
         dt = now - max(rec.t0, self.last_finish)
         mode = ("sync" if rec.synchronous else "async", B)
         interval = now - self.last_finish
-        # The depth policy learns the head's acceptance and cycle costs: a cycle with suffix
-        # drafts (proposers/hybrid.py) teaches it neither.
-        if all(source != "suffix" for source, _ in rec.drafted):
+        # The depth policy learns the head's acceptance and cycle costs. A cycle with suffix
+        # drafts (proposers/hybrid.py) teaches it its cost only: what a verify of its depth
+        # costs at this batch, which prices the next suffix drafts (hybrid_plan). It is
+        # synchronous, timed from its launch, so its cost is known after plain decoding too
+        # (where a long verify of several rows can cost far more than a line through the
+        # head's depths says). The cycle after it is not timed: the head first catches up on
+        # the inputs the suffix cycle left it, about the same work at every depth.
+        suffix = any(source == "suffix" for source, _ in rec.drafted)
+        if suffix:
+            policy.update(rec.k, B, dt if rec.synchronous else None, kept, acceptance_classes(rows), head=False)
+        else:
             policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
                           switch_seconds=interval if self.switched else None)
         self.switched = False
-        self.mode = mode
+        self.mode = None if suffix else mode
         self.last_finish = now
         device = (rec.computed - rec.built) if rec.computed else 0.0
         for row in rows:

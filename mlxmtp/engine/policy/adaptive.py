@@ -283,16 +283,17 @@ class DepthPolicy(Policy):
         return out
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
-               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
+               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
+               head: bool = True) -> None:
         """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept,
-        each row's acceptance class, and, for the first drafting cycle after plain decoding
-        (not timed as a cycle), its wall time."""
+        each row's acceptance class, for the first drafting cycle after plain decoding (not
+        timed as a cycle) its wall time, and whether its drafts were the head's (else only its cost counts)."""
         key = cost_key(batch_size, classes)
-        self.switch.update(k, key, seconds, switch_seconds, self._costs)
+        self.switch.update(k, key, seconds if head else None, switch_seconds, self._costs)
         # Acceptance is learnt from cycles that follow one of the same depth (the steady
         # state of that depth: see probes.plan).
-        steady, self._last_k = k == self._last_k, k
-        if k > 0 and steady:
+        steady, self._last_k = k == self._last_k, k if head else None
+        if k > 0 and steady and head:
             self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row))
         if seconds is not None and seconds > 0:
             self._costs(key).add(k, seconds, self.cycles)

@@ -33,9 +33,11 @@ class Policy:
         raise NotImplementedError
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
-               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None) -> None:
+               classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
+               head: bool = True) -> None:
         """One cycle was read: its depth, its wall time (None: not timed), the drafts each
-        row kept, and for the first drafting cycle after plain decoding, its wall time."""
+        row kept, for the first drafting cycle after plain decoding its wall time, and whether
+        its drafts were the head's (a cycle of model-free drafts teaches its cost only)."""
 
     def plain_regime(self) -> bool:
         """Whether plain decoding is the depth in use outside probes (the engine then keeps

@@ -17,7 +17,8 @@ on them when it next drafts (mtp_inputs).
 A cycle with suffix rows needs every row's tokens on the host: `needs_host_tokens` then tells
 the engine to read the cycle in flight first (no pipelined drafting for that cycle); head-only
 cycles pipeline as the head alone does. A cycle with suffix drafts teaches the depth policy
-nothing (its acceptance and its cost are not the head's).
+its cost only (engine/timing.py), which prices the next suffix drafts; its acceptance is not
+the head's.
 """
 
 from __future__ import annotations

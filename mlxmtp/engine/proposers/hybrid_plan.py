@@ -3,9 +3,10 @@
 With E_h(j) the head's expected tokens from a cycle of depth j (the depth policy's estimate,
 per row, 1 + sum of the chances each draft is kept), a row's suffix proposal expects
 E_s(K) = 1 + sum over i < K of min(1, f^(i+1) * probs[i]) from a cycle of depth K, where
-probs[i] is the suffix index's estimate that its first i + 1 tokens are kept and f
-(`Calibration`) scales each token's chance by what rows of the same acceptance class have
-actually kept. A cycle of depth K with the head at depth min(k, K) yields, per unit of cost,
+probs[i] is the suffix index's estimate that its first i + 1 tokens are kept and f scales
+each token's chance: by what rows of the same acceptance class have actually kept
+(`Calibration`), or, where higher, by the chance that a run of m tokens copied goes on
+(`run_chance`). A cycle of depth K with the head at depth min(k, K) yields, per unit of cost,
 
     rate(K) = sum over rows of max(E_h(min(k, K)), E_s(K)) / c(K),
 
@@ -168,6 +169,15 @@ def expected(probs: Sequence[float], f: float, K: int) -> float:
     return 1.0 + sum(min(1.0, f ** (i + 1) * p) for i, p in enumerate(probs[:K]))
 
 
+def run_chance(match_len: int) -> float:
+    """The chance that a row whose last `match_len` tokens repeat earlier text repeats the next
+    one too, by the rule of succession (m successes: (m + 1) / (m + 2)). A model copying a
+    file keeps copying until the text it writes changes; while the suffix was not taken (the
+    head's drafts promised more) the calibration learns nothing of that run, and the head
+    would keep drafting a few tokens a cycle where a long draft takes many."""
+    return (match_len + 1) / (match_len + 2)
+
+
 def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int]) -> Dict[int, float]:
     known = policy.relative_costs(batch_size, classes, depths) or {}
     return {K: known.get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
@@ -198,7 +208,7 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
     e_head = _head_tokens(policy, classes, k)
     streaks = streaks or {}
     keys = [(c, streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
-    f = [calibration.factor(key) for key in keys]
+    f = [max(calibration.factor(key), run_chance(p.match_len)) for key, p in zip(keys, proposals)]
     depths = _depths(k, proposals, cap, shape_stable)
     costs = _costs(policy, len(rows), classes, depths)
     best: Optional[tuple] = None
