@@ -24,7 +24,8 @@
 # seeded (bench/seeded_acceptance.py: what a reproducible seed costs against rejection sampling),
 # ragged (bench/ragged_rows.py: short rows beside a 16000-token one, attention per run of rows
 # against one padded call, MTP off and k=2, shape-stable as on a GPU; and the row attention's
-# tests).
+# tests), suffix (issue 44 on the GPU: bench/decode.py's edit workload, k=3 and adaptive with and
+# without suffix drafts, greedy; and bench/batch.py's agents workload at 4 and 8 requests).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -84,6 +85,10 @@ for check in "$@"; do
         ragged) timeout 150 python3 bench/ragged_rows.py --long 16000 --depths 0,2 2>&1 | tee "$OUT/ragged_rows.md"
                 MLX_ENABLE_TF32=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_row_attention.py \
                     2>&1 | tee "$OUT/row_attention.txt" ;;
+        suffix) timeout 200 python3 bench/decode.py --models demo --temps 0 --depths 3 --suffix --workload edit \
+                    --max-tokens 200 --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode_edit.md"
+                timeout 150 python3 bench/batch.py --concurrency 4,8 --rounds 2 --suffix --workload agents \
+                    --depths 2 --no-joins 2>&1 | tee "$OUT/batch_agents.md" ;;
         *) echo "unknown check: $check" ;;
     esac
 done
