@@ -1,27 +1,39 @@
 #!/usr/bin/env python
 """Fine-tune the demo model to copy: coding agents re-emit what they read (an Edit call's
 `old_string`, a file printed again with a name changed), and a model that cannot copy
-shows nothing of what suffix drafting does for them. Model and head are trained jointly
-(the loss of train_demo_model.py) on rows that mix copy and edit tasks
-(mlxmtp/models/demo_tasks.py, on the training files) with plain windows of the training
-corpus, so that the model keeps what it was (held-out code, head acceptance, chat format).
+shows nothing of what suffix drafting does for them.
+
+Plain fine-tuning on copy tasks did not teach it: after ~2M tokens of such rows its
+attention had still not learned to look back at where the current text occurred before
+(an induction head), and greedy decoding reproduced 16-23% of a copied file, as before. So
+the attention is taught directly: two of the query heads of each full-attention layer (the
+two that share key-value head 0) get a loss on their attention pattern, -log of the weight
+they give, at each position whose recent tokens occurred earlier, to the position right
+after that earlier occurrence (what an induction head attends to: the token that came next
+there). With that target the heads learn to look back within ~100 steps, and the model then
+learns to copy what they find. Two phases, both training model and head jointly with the
+loss of train_demo_model.py plus that attention loss:
+
+1. `induction`: 256-token rows of spans written twice (random tokens or corpus windows,
+   sometimes with other text between the copies), the target the first copy's next position;
+   a quarter of each batch plain corpus windows, so the model keeps what it was.
+2. `tasks`: 768-token rows of copy and edit tasks (mlxmtp/models/demo_tasks.py on the
+   training files), one longer span row and one corpus window per batch; the target, at
+   every position whose last MATCH tokens occurred before, the position after their latest
+   occurrence.
+
+Then the head is distilled again on the model's own output (train_demo_model.py
+finetune-head), since the backbone moved, and packaged:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python scripts/finetune_demo_copy.py train --out /work/demo_copy_export
-    python scripts/train_demo_model.py package --hf /work/demo_copy_export --dest mlxmtp/demo_model
+        python scripts/finetune_demo_copy.py induction --out /work/copy_1
+    LD_PRELOAD=... python scripts/finetune_demo_copy.py tasks --hf /work/copy_1 --out /work/copy_2
+    LD_PRELOAD=... python scripts/train_demo_model.py finetune-head --hf /work/copy_2 --self-generated 1536 --steps 300
+    python scripts/train_demo_model.py package --hf /work/copy_2 --dest mlxmtp/demo_model
     python scripts/finetune_demo_copy.py measure        # copy rate on held-out files
 
-It starts from the packaged demo (float16 weights cast to float32) unless --hf names a
-float32 export (of `train_demo_model.py train`, or of an earlier run of this script).
-
-Not yet enough: the packaged demo still copies nothing. Measured (`measure --tasks 4`, share of
-the answer's tokens greedy decoding reproduces): packaged demo 0.16-0.23; after `train --steps
-320 --task-rows 2 --repeat-rows 0` (25 minutes) 0.18-0.20, the answer starting as code but not
-the code asked for; a second run from that export with `--task-rows 1 --repeat-rows 2 --seed
-2000`, stopped at step 220 of 400, brought the repeated spans' loss from 6.06 to 5.27 only
-(copying them would bring it near 3): attention had not learned to copy (no induction heads)
-after ~2M tokens. Held-out code loss went 4.85 -> 4.24 (longer contexts than the 128-token
-pre-training), so the recipe does no harm; it needs a longer budget than a 2-core CPU session.
+What the run that built the packaged demo measured is in its training.json
+(`copy_finetune`) and docs/demo-model.md.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import math
 import random
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +52,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_demo_model as base  # noqa: E402
 
-SEQ_LEN = 768  # an edit task (tool schemas, the file read, old and new strings) fits
-BATCH = 4
-STEPS = 300
-WARMUP = 20
-LR = 1.5e-3
-# Rows per batch: copy and edit tasks (--task-rows), repeated spans (`repeated_spans`,
-# --repeat-rows), and corpus windows for the rest.
-TASK_ROWS, REPEAT_ROWS = 1, 2
+SEQ_LEN = 768  # a task row: an edit task (tool schemas, the file read, old and new strings) fits
+MATCH = 4  # tokens that must have occurred before for a position to get an attention target
+LOOK_BACK = 64  # tokens compared back to choose between earlier occurrences
+SUPERVISED_HEADS = [0, 1]  # the query heads sharing key-value head 0, in each full-attention layer
+ATTENTION_WEIGHT = 1.0
+# phase -> rows (span rows, task rows, plain windows per batch), row length, steps, peak
+# learning rate, warm-up steps, seed of the rows drawn, and where the attention targets come
+# from: "spans" (a span row's own copies; other rows have none) or "matches" (every row's
+# `induction_targets`).
+PHASES = {
+    "induction": dict(spans=6, tasks=0, plain=2, seq_len=256, steps=400, lr=3e-3, warmup=20, seed=7,
+                      targets="spans"),
+    "tasks": dict(spans=1, tasks=2, plain=1, seq_len=SEQ_LEN, steps=200, lr=1.5e-3, warmup=10, seed=11,
+                  targets="matches", task_seed=4321),
+}
+# Span rows per phase: longest span, share of random-token spans, chance and longest length
+# of other text between the two copies.
+SPANS = {"induction": dict(longest=64, random=0.5, gap_chance=0.5, gap=(1, 48)),
+         "tasks": dict(longest=128, random=0.3, gap_chance=1.0, gap=(0, 200))}
 
 
 CHUNK = 64  # positions per chunk of the chunked gated delta rule
@@ -136,20 +160,103 @@ def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> np.ndarr
     return np.asarray(rows, dtype=np.int32)
 
 
-def repeated_spans(data: np.ndarray, gen: np.random.Generator, vocab: int) -> np.ndarray:
-    """A [SEQ_LEN + 2] row of spans each written twice (random tokens, or a window of the
-    corpus): the second copy is predictable only by copying the first, the plainest signal
-    from which attention learns to copy (induction heads), before it copies in chat."""
-    row: list = []
-    while len(row) < SEQ_LEN + 2:
-        n = int(gen.integers(8, 97))
-        if gen.random() < 0.5:
+def span_row(data: np.ndarray, gen: np.random.Generator, vocab: int, seq_len: int, longest: int,
+             random: float, gap_chance: float, gap: tuple) -> tuple:
+    """A [seq_len + 2] row of spans each written twice (random tokens, or a window of the
+    corpus), with or without other text between the copies -> (row, queries, keys): at query
+    position t of a second copy, the induction target is the position after the first copy's t."""
+    row, queries, keys = [], [], []
+    while len(row) < seq_len + 2:
+        n = int(gen.integers(8, longest + 1))
+        if gen.random() < random:
             span = list(gen.integers(0, vocab, size=n))
         else:
             s = int(gen.integers(0, len(data) - n))
             span = list(data[s:s + n])
-        row += span + span
-    return np.asarray(row[: SEQ_LEN + 2], dtype=np.int32)
+        between = []
+        if gap_chance >= 1 or gen.random() < gap_chance:
+            g = int(gen.integers(*gap))
+            s = int(gen.integers(0, len(data) - g))
+            between = list(data[s:s + g])
+        first, second = len(row), len(row) + n + len(between)
+        queries += [second + t for t in range(n - 1)]
+        keys += [first + t + 1 for t in range(n - 1)]
+        row += span + between + span
+    kept = [(q, k) for q, k in zip(queries, keys) if q < seq_len + 1]
+    return np.asarray(row[: seq_len + 2], dtype=np.int32), [q for q, _ in kept], [k for _, k in kept]
+
+
+def induction_targets(row) -> tuple:
+    """(queries, keys) for any row: each input position whose last MATCH tokens occurred
+    before, and the position after the occurrence that matches the most tokens back (up to
+    LOOK_BACK; the latest of equals): where a line occurs twice in a file, the copy of the
+    first must go on as the first did, not jump to what followed the second."""
+    seen, queries, keys = {}, [], []
+    for i in range(MATCH - 1, len(row) - 1):
+        key = tuple(int(t) for t in row[i - MATCH + 1 : i + 1])
+        earlier = seen.setdefault(key, [])
+        if earlier:
+            best = max(earlier[-LOOK_BACK:], key=lambda j: (_matched(row, j, i), j))
+            queries.append(i)
+            keys.append(best + 1)
+        earlier.append(i)
+    return queries, keys
+
+
+def _matched(row, j: int, i: int) -> int:
+    """How many tokens ending at j equal those ending at i (j < i), up to LOOK_BACK."""
+    n = 0
+    while n < LOOK_BACK and j - n >= 0 and row[j - n] == row[i - n]:
+        n += 1
+    return n
+
+
+def batch_arrays(rows, targets):
+    """Rows and their (queries, keys) -> tokens [B, T], and row, query and key index arrays."""
+    import mlx.core as mx
+
+    index = [np.asarray(a, dtype=np.int32) for a in (
+        np.concatenate([[b] * len(q) for b, (q, _) in enumerate(targets)]),
+        np.concatenate([q for q, _ in targets]), np.concatenate([k for _, k in targets]))]
+    return (mx.array(np.stack(rows)), *(mx.array(a) for a in index))
+
+
+@contextmanager
+def recorded_attention(probs: list):
+    """mlx-lm's attention in the qwen3_5 layers computed explicitly (training only), its
+    weights [B, H, L, S] appended to `probs` in call order: the backbone's full-attention
+    layers first, then the head's."""
+    import mlx.core as mx
+    import mlx_lm.models.qwen3_next as qwen3_next
+
+    def attention(queries, keys, values, cache=None, scale=1.0, mask=None, **_):
+        L, r = queries.shape[2], queries.shape[1] // keys.shape[1]
+        if r > 1:
+            keys, values = mx.repeat(keys, r, 1), mx.repeat(values, r, 1)
+        scores = (queries * scale) @ keys.swapaxes(-1, -2)
+        S = keys.shape[2]
+        if isinstance(mask, str) or (mask is None and L > 1):
+            scores = mx.where(mx.arange(S - L, S)[:, None] >= mx.arange(S)[None], scores, -1e9)
+        elif mask is not None:
+            scores = mx.where(mask, scores, -1e9) if mask.dtype == mx.bool_ else scores + mask
+        p = mx.softmax(scores.astype(mx.float32), axis=-1)
+        probs.append(p)
+        return p.astype(values.dtype) @ values
+
+    original, qwen3_next.scaled_dot_product_attention = qwen3_next.scaled_dot_product_attention, attention
+    try:
+        yield
+    finally:
+        qwen3_next.scaled_dot_product_attention = original
+
+
+def attention_loss(probs: list, rows, queries, keys):
+    """Mean -log weight the supervised heads of the backbone's two full-attention layers
+    give their induction targets."""
+    import mlx.core as mx
+
+    losses = [-mx.log(p[:, SUPERVISED_HEADS][rows, :, queries, keys] + 1e-6).mean() for p in probs[:2]]
+    return sum(losses) / len(losses)
 
 
 def _task(texts, rng):
@@ -178,6 +285,19 @@ def copy_rate(model, tok_wrapper, tasks, max_tokens: int = 400) -> float:
     return float(np.mean(rates))
 
 
+def phase_rows(phase: str, data, tasks, gen, vocab: int, step: int):
+    """One step's rows (task rows, span rows, plain windows) and their attention targets."""
+    p, s = PHASES[phase], SPANS[phase]
+    L = p["seq_len"] + 2
+    spans = [span_row(data, gen, vocab, p["seq_len"], **s) for _ in range(p["spans"])]
+    plain = [data[i:i + L] for i in gen.integers(0, len(data) - L, size=p["plain"])]
+    task = list(tasks[step * p["tasks"] : (step + 1) * p["tasks"]])
+    rows = task + [r for r, _, _ in spans] + plain
+    if p["targets"] == "matches":
+        return rows, [induction_targets(r) for r in rows]
+    return rows, [([], [])] * len(task) + [(q, k) for _, q, k in spans] + [([], [])] * len(plain)
+
+
 def cmd_train(args) -> None:
     import mlx.core as mx
     import mlx.nn as nn
@@ -188,78 +308,93 @@ def cmd_train(args) -> None:
     from mlxmtp.mlxlm.family import text_parts
     from mlxmtp.models import demo
 
-    t_start = time.perf_counter()
+    p = {**PHASES[args.phase], **({"seed": args.seed, "task_seed": args.seed} if args.seed is not None else {})}
     model, head, tok, cfg = load_float32(args.hf)
-    parts = text_parts(model)
-    chat_tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
+    parts, probs, vocab = text_parts(model), [], tok.get_vocab_size() - 16
     train_files, held_files = base.stdlib_files()
-    rng = random.Random(args.seed)
-    n_task_rows = args.steps * args.task_rows + 1
-    tasks = task_rows(train_files, chat_tok, tok, n_task_rows, rng)
+    chat_tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
+    tasks = task_rows(train_files, chat_tok, tok, p["steps"] * p["tasks"] + 1, random.Random(p["task_seed"])) \
+        if p["tasks"] else []
     data = base.encode_corpus(tok, base.make_documents(train_files, random.Random(base.SEED)))
-    held = base.encode_corpus(tok, [base.read(p) for p in held_files])
-    print(f"{len(tasks)} task rows, corpus {len(data)} tokens [{time.perf_counter() - t_start:.0f}s]", flush=True)
+    held = base.encode_corpus(tok, [base.read(f) for f in held_files])
 
     class Joint(nn.Module):
         def __init__(self):
             super().__init__()
             self.model, self.head = model, head
 
+    def loss(_, tokens, rows, queries, keys):
+        probs.clear()
+        total, aux = base.losses(parts, head, tokens)
+        attention = attention_loss(probs, rows, queries, keys)
+        return total + ATTENTION_WEIGHT * attention, (aux[0], attention)
+
     joint = Joint()
-    opt = optim.AdamW(learning_rate=LR, betas=(0.9, 0.95), weight_decay=base.WEIGHT_DECAY)
-    value_grad = nn.value_and_grad(joint, lambda j, b: base.losses(parts, head, b))
-    L, np_rng = SEQ_LEN + 2, np.random.default_rng(args.seed + 1)
-    n_copy = args.task_rows
-
-    def lr_at(step):
-        if step < WARMUP:
-            return LR * (step + 1) / WARMUP
-        return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, args.steps - WARMUP))))
-
-    eval_batch = mx.array(np.stack([held[s:s + 130] for s in np.random.default_rng(base.SEED + 1).integers(
-        0, len(held) - 130, size=base.BATCH)]))
-
-    print(f"chunked gated delta rule vs mlx-lm recurrence: max abs diff {base.check_gdn_form(gated_delta_chunked, SEQ_LEN + 1, 48):.2e}", flush=True)
-    held_tasks = mx.array(task_rows(held_files, chat_tok, tok, BATCH, random.Random(base.SEED + 12)))
-    held_spans = mx.array(np.stack([repeated_spans(held, np.random.default_rng(base.SEED + 13 + i),
-                                                   tok.get_vocab_size() - 16) for i in range(BATCH)]))
-    recurrent_gdn, q35.gated_delta_update = q35.gated_delta_update, gated_delta_chunked
+    opt = optim.AdamW(learning_rate=p["lr"], betas=(0.9, 0.95), weight_decay=base.WEIGHT_DECAY)
+    value_grad, gen = nn.value_and_grad(joint, loss), np.random.default_rng(p["seed"])
+    evaluate = held_out_eval(parts, head, probs, held, held_files, chat_tok, tok, vocab)
     curve, t0 = [], time.perf_counter()
-    for step in range(args.steps):
-        plain = [data[s:s + L] for s in np_rng.integers(0, len(data) - L, size=BATCH - n_copy - args.repeat_rows)]
-        spans = [repeated_spans(data, np_rng, tok.get_vocab_size() - 16) for _ in range(args.repeat_rows)]
-        batch = mx.array(np.stack(list(tasks[step * n_copy:(step + 1) * n_copy]) + spans + plain))
-        opt.learning_rate = lr_at(step)
-        (loss, aux), grads = value_grad(joint, batch)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(joint, grads)
-        mx.eval(joint.parameters(), opt.state, loss)
-        if step % 10 == 0 or step == args.steps - 1:
-            main, hh, _, agree = (a.item() for a in aux)
-            _, ev = base.losses(parts, head, eval_batch)
-            _, ev_tasks = base.losses(parts, head, held_tasks)
-            _, ev_spans = base.losses(parts, head, held_spans)
-            curve.append({"step": step, "main_ce": main, "head_ce": hh, "heldout_main_ce": ev[0].item(),
-                          "heldout_agree": ev[3].item(), "heldout_task_main_ce": ev_tasks[0].item(),
-                          "heldout_task_agree": ev_tasks[3].item(), "heldout_spans_main_ce": ev_spans[0].item()})
-            print(f"step {step:4d} loss {loss.item():.3f} main {main:.3f} head {hh:.3f} agree {agree:.2f} | "
-                  f"held-out code: main {ev[0].item():.3f} agree {ev[3].item():.2f}; tasks: main "
-                  f"{ev_tasks[0].item():.3f} agree {ev_tasks[3].item():.2f}; spans {ev_spans[0].item():.3f} "
-                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
+    recurrent_gdn, q35.gated_delta_update = q35.gated_delta_update, gated_delta_chunked
+    with recorded_attention(probs):
+        for step in range(p["steps"]):
+            rows, targets = phase_rows(args.phase, data, tasks, gen, vocab, step)
+            warm = min(1.0, (step + 1) / p["warmup"])
+            opt.learning_rate = p["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / p["steps"])))
+            (total, aux), grads = value_grad(joint, *batch_arrays(rows, targets))
+            grads, _ = optim.clip_grad_norm(grads, 1.0)
+            opt.update(joint, grads)
+            mx.eval(joint.parameters(), opt.state, total)
+            if step % 20 == 0 or step == p["steps"] - 1:
+                curve.append({"step": step, "main_ce": aux[0].item(), "attention": aux[1].item(), **evaluate()})
+                print(json.dumps(curve[-1]), f"[{time.perf_counter() - t0:.0f}s]", flush=True)
     q35.gated_delta_update = recurrent_gdn
+    export(model, head, cfg, tok, args, {"phase": args.phase, **p, "look_back": LOOK_BACK, "spans": SPANS[args.phase],
+                                         "seconds": round(time.perf_counter() - t0, 1), "curve": curve}, held)
+
+
+def held_out_eval(parts, head, probs, held, held_files, chat_tok, tok, vocab):
+    """() -> held-out numbers: code loss and head agreement, and on held-out copy rows (spans
+    and tasks) how often the model's argmax is the token an induction target points at."""
+    import mlx.core as mx
+
+    gen = np.random.default_rng(base.SEED + 1)
+    code = mx.array(np.stack([held[s:s + 130] for s in gen.integers(0, len(held) - 130, size=8)]))
+    spans = [span_row(held, np.random.default_rng(99 + i), vocab, 256, **SPANS["induction"]) for i in range(8)]
+    span_batch = batch_arrays([r for r, _, _ in spans], [(q, k) for _, q, k in spans])
+    tasks = list(task_rows(held_files, chat_tok, tok, 4, random.Random(base.SEED + 12)))
+    task_batch = batch_arrays(tasks, [induction_targets(r) for r in tasks])
+
+    def copied(batch):
+        tokens, rows, queries, keys = batch
+        probs.clear()
+        logits, _ = base.forward(parts, head, tokens)
+        hit = mx.argmax(logits, -1)[rows, queries] == tokens[rows, keys]
+        return hit.astype(mx.float32).mean().item(), attention_loss(probs, rows, queries, keys).item()
+
+    def evaluate() -> dict:
+        probs.clear()
+        _, ev = base.losses(parts, head, code)
+        span_hits, span_attention = copied(span_batch)
+        task_hits, task_attention = copied(task_batch)
+        return {"heldout_main_ce": ev[0].item(), "heldout_agree": ev[3].item(), "span_copied": span_hits,
+                "span_attention": span_attention, "task_copied": task_hits, "task_attention": task_attention}
+
+    return evaluate
+
+
+def export(model, head, cfg, tok, args, run: dict, held) -> None:
+    """Write the float32 HF export, with this phase's run appended to training.json."""
+    from mlxmtp.models import demo
+
     model.eval()
     head.eval()
     meta = json.loads((Path(args.hf or demo.PACKAGED) / "training.json").read_text())
-    run = {"steps": args.steps, "batch": BATCH, "seq_len": SEQ_LEN, "lr": LR, "task_rows": args.task_rows,
-           "repeated_span_rows": args.repeat_rows, "seed": args.seed,
-           "from": "export" if args.hf else "packaged demo", "seconds": round(time.perf_counter() - t0, 1),
-           "tasks": "mlxmtp/models/demo_tasks.py on the training files", "curve": curve}
     meta["copy_finetune"] = [*meta.get("copy_finetune", []), run]
     out = Path(args.out)
     base.export_hf(model, head, cfg, tok, out, meta)
     run["export_check"] = base.verify_export(model, head, out, held)
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"exported to {out} [{time.perf_counter() - t_start:.0f}s]", flush=True)
+    print(f"exported to {out}", flush=True)
 
 
 def cmd_measure(args) -> None:
@@ -275,18 +410,18 @@ def cmd_measure(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train")
-    t.add_argument("--hf", default=None, help="float32 HF export to start from (default: the packaged demo)")
-    t.add_argument("--out", default="/work/demo_copy_export")
-    t.add_argument("--steps", type=int, default=STEPS)
-    t.add_argument("--task-rows", type=int, default=TASK_ROWS)
-    t.add_argument("--seed", type=int, default=base.SEED + 10, help="of the rows drawn (tasks, windows, spans)")
-    t.add_argument("--repeat-rows", type=int, default=REPEAT_ROWS)
+    for phase in PHASES:
+        t = sub.add_parser(phase)
+        t.add_argument("--hf", default=None, help="float32 HF export to start from (default: the packaged demo)")
+        t.add_argument("--out", required=True)
+        t.add_argument("--seed", type=int, default=None, help="of the rows drawn (default: the phase's)")
+        t.set_defaults(phase=phase, run=cmd_train)
     m = sub.add_parser("measure")
     m.add_argument("--model", default=None)
     m.add_argument("--tasks", type=int, default=12)
+    m.set_defaults(run=cmd_measure)
     args = p.parse_args(argv)
-    {"train": cmd_train, "measure": cmd_measure}[args.cmd](args)
+    args.run(args)
 
 
 if __name__ == "__main__":

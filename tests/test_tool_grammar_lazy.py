@@ -5,9 +5,11 @@ outside calls stays the model's own; a call is held from the token after the mod
 schema; decoding stays exact under MTP (the same output as mlx-lm's greedy decoding under
 the same processors, at every depth and acceptance length).
 
-Neither the demo model nor the random fixture model opens a call by itself, so a test
-processor writes the `<tool_call>` token at chosen places (the 3rd token, and after the
-first call's `</tool_call>` to open a second): everything else is the model's, held."""
+The random fixture model never opens a call by itself, and the demo model (fine-tuned on
+Edit calls) opens one whenever tools are offered, so test processors choose: one writes the
+`<tool_call>` token at chosen places (the 3rd token, and after the first call's
+`</tool_call>` to open a second), another bans it (free text): everything else is the
+model's, held."""
 
 import json
 
@@ -221,7 +223,7 @@ def test_held_calls_drafted_by_the_suffix_equal_mlx_lm(fixture_model, fixture_se
 # ------------------------------------------------------------------ the demo model through every API
 class Opener:
     """request_hook: a request whose text holds OPEN gets `opener`, of two calls with OPEN2
-    (a call of the demo takes 27-41 tokens)."""
+    (room for both: a call of the demo takes 27-60 tokens); one whose text holds SHUT never opens a call."""
 
     def __init__(self, tok):
         self.trigger = tok.encode("<tool_call>", add_special_tokens=False)[0]
@@ -232,6 +234,17 @@ class Opener:
         if "OPEN" in raw:
             req.params.logits_processors.insert(0, opener(len(req.prompt), self.trigger, self.end,
                                                           2 if "OPEN2" in raw else 1))
+        if "SHUT" in raw:
+            req.params.logits_processors.insert(0, banning(self.trigger))
+
+
+def banning(token: int):
+    """A logits processor that never lets `token` be written."""
+
+    def ban(tokens, logits):
+        return mx.where(mx.arange(logits.shape[-1]) == token, -mx.inf, logits)
+
+    return ban
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +301,9 @@ def responses(url, text, tools, stream=False, max_tokens=48):
 @pytest.mark.slow
 def test_free_text_is_the_same_with_the_flag(demo_servers):
     # No call opened: the flag leaves every distribution as it was.
-    plain = chat(demo_servers["plain"], "What is the weather like?", TOOLS, max_tokens=40)
-    assert plain == chat(demo_servers["flag"], "What is the weather like?", TOOLS, max_tokens=40) and not plain[1]
+    plain = chat(demo_servers["plain"], "SHUT What is the weather like?", TOOLS, max_tokens=40)
+    assert plain == chat(demo_servers["flag"], "SHUT What is the weather like?", TOOLS, max_tokens=40)
+    assert plain[0] and not plain[1]
 
 
 @pytest.mark.slow
@@ -297,7 +311,7 @@ def test_calls_the_model_opens_are_held_with_the_flag(demo_servers):
     # Without the flag the demo writes text after its <tool_call>: no call reaches the client.
     assert chat(demo_servers["plain"], "OPEN weather?", TOOLS)[1] == []
     # Two calls in a turn, text free between them.
-    content, calls = chat(demo_servers["flag"], "OPEN2 weather?", TOOLS, max_tokens=90)
+    content, calls = chat(demo_servers["flag"], "OPEN2 weather?", TOOLS, max_tokens=160)
     assert len(calls) == 2 and all(valid(n, a) for n, a in calls), calls
     content, calls = chat(demo_servers["flag"], "OPEN weather?", TOOLS, stream=True)
     assert len(calls) == 1 and all(valid(n, a) for n, a in calls), calls
