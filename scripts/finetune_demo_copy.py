@@ -19,8 +19,8 @@ loss of train_demo_model.py plus that attention loss:
    a quarter of each batch plain corpus windows, so the model keeps what it was.
 2. `tasks`: 768-token rows of copy and edit tasks (mlxmtp/models/demo_tasks.py on the
    training files), one longer span row and one corpus window per batch; the target, at
-   every position whose last MATCH tokens occurred before, the position after their latest
-   occurrence.
+   every position whose last MATCH tokens occurred before, the position after the earlier
+   occurrence that matches the most tokens back.
 
 Then the head is distilled again on the model's own output (train_demo_model.py
 finetune-head), since the backbone moved, and packaged:
@@ -32,8 +32,10 @@ finetune-head), since the backbone moved, and packaged:
     python scripts/train_demo_model.py package --hf /work/copy_2 --dest mlxmtp/demo_model
     python scripts/finetune_demo_copy.py measure        # copy rate on held-out files
 
-What the run that built the packaged demo measured is in its training.json
-(`copy_finetune`) and docs/demo-model.md.
+The packaged demo ran `tasks` twice: first (seed 11) with targets at the latest earlier
+occurrence, which taught its copies to jump to what followed a line's second occurrence, then
+(`--seed 12`, from that export) with the targets above. Its runs and curves are in its
+training.json (`copy_finetune`); what it copies, in docs/demo-model.md.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ PHASES = {
 }
 # Span rows per phase: longest span, share of random-token spans, chance and longest length
 # of other text between the two copies.
-SPANS = {"induction": dict(longest=64, random=0.5, gap_chance=0.5, gap=(1, 48)),
-         "tasks": dict(longest=128, random=0.3, gap_chance=1.0, gap=(0, 200))}
+SPANS = {"induction": dict(longest=64, random_share=0.5, gap_chance=0.5, gap=(1, 48)),
+         "tasks": dict(longest=128, random_share=0.3, gap_chance=1.0, gap=(0, 200))}
 
 
 CHUNK = 64  # positions per chunk of the chunked gated delta rule
@@ -161,14 +163,14 @@ def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> np.ndarr
 
 
 def span_row(data: np.ndarray, gen: np.random.Generator, vocab: int, seq_len: int, longest: int,
-             random: float, gap_chance: float, gap: tuple) -> tuple:
+             random_share: float, gap_chance: float, gap: tuple) -> tuple:
     """A [seq_len + 2] row of spans each written twice (random tokens, or a window of the
     corpus), with or without other text between the copies -> (row, queries, keys): at query
     position t of a second copy, the induction target is the position after the first copy's t."""
     row, queries, keys = [], [], []
     while len(row) < seq_len + 2:
         n = int(gen.integers(8, longest + 1))
-        if gen.random() < random:
+        if gen.random() < random_share:
             span = list(gen.integers(0, vocab, size=n))
         else:
             s = int(gen.integers(0, len(data) - n))
