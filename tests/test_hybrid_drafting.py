@@ -235,22 +235,22 @@ def test_the_server_reports_drafts_by_source_in_usage_and_metrics():
     assert 0 < fams["mlxmtp_suffix_shared_bytes"].samples[0].value < 2**20
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_a_request_drafts_from_finished_outputs_unless_sharing_is_off(share):
+def test_a_request_drafts_from_finished_outputs_unless_sharing_is_off():
     """The same request twice: the second drafts the first's answer from the shared index;
     with suffix_share off (`serve --no-suffix-share`) it has only its own prompt and output
-    (the index holds nothing), and its text is the same either way."""
+    (the index holds nothing) and keeps fewer suffix drafts, and its text is the same either way."""
     model, tok, ref = loaded(str(demo_model_path()))
     prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
-    eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True, suffix_share=share))
-    first, _ = _run(eng, [Request(prompt=prompt, max_tokens=48)])
-    second, (stats,) = _run(eng, [Request(prompt=prompt, max_tokens=48)])
-    assert first == second == [reference_greedy(ref, prompt, 48)]
-    kept = stats["by_source"].get("suffix", {}).get("accepted", 0)
-    if share:
-        assert kept >= 24 and eng.proposer.shared_index.tokens == 96, stats["by_source"]
-    else:
-        assert kept < 24 and eng.proposer.shared_index is None, stats["by_source"]
+    kept = {}
+    for share in (True, False):
+        eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True, suffix_share=share))
+        first, _ = _run(eng, [Request(prompt=prompt, max_tokens=48)])
+        second, (stats,) = _run(eng, [Request(prompt=prompt, max_tokens=48)])
+        assert first == second == [reference_greedy(ref, prompt, 48)]
+        kept[share] = stats["by_source"].get("suffix", {}).get("accepted", 0)
+        index = eng.proposer.shared_index
+        assert (index.tokens == 96) if share else (index is None), stats["by_source"]
+    assert kept[True] > kept[False] and kept[True] >= 24, kept
 
 
 def test_a_row_copying_a_long_run_drafts_long_beside_a_strong_head():

@@ -324,8 +324,8 @@ def test_calls_the_model_opens_are_held_with_the_flag(demo_servers):
 
 @pytest.mark.slow
 def test_held_output_is_the_same_with_mtp_on_and_off(demo_servers):
-    on = chat(demo_servers["flag"], "OPEN2 weather in Oslo?", TOOLS, max_tokens=90)
-    assert len(on[1]) == 2 and on == chat(demo_servers["flag_no_mtp"], "OPEN2 weather in Oslo?", TOOLS, max_tokens=90)
+    on = chat(demo_servers["flag"], "OPEN2 weather in Oslo?", TOOLS, max_tokens=160)
+    assert len(on[1]) == 2 and on == chat(demo_servers["flag_no_mtp"], "OPEN2 weather in Oslo?", TOOLS, max_tokens=160)
 
 
 @pytest.mark.slow
