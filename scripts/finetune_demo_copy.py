@@ -230,15 +230,15 @@ def recorded_attention(probs: list):
     layers first, then the head's."""
     import mlx.core as mx
     import mlx_lm.models.qwen3_next as qwen3_next
+    from mlx_lm.models.base import create_causal_mask
 
     def attention(queries, keys, values, cache=None, scale=1.0, mask=None, **_):
         L, r = queries.shape[2], queries.shape[1] // keys.shape[1]
         if r > 1:
             keys, values = mx.repeat(keys, r, 1), mx.repeat(values, r, 1)
         scores = (queries * scale) @ keys.swapaxes(-1, -2)
-        S = keys.shape[2]
         if isinstance(mask, str) or (mask is None and L > 1):
-            scores = mx.where(mx.arange(S - L, S)[:, None] >= mx.arange(S)[None], scores, -1e9)
+            scores = mx.where(create_causal_mask(L, keys.shape[2] - L), scores, -1e9)
         elif mask is not None:
             scores = mx.where(mask, scores, -1e9) if mask.dtype == mx.bool_ else scores + mask
         p = mx.softmax(scores.astype(mx.float32), axis=-1)
