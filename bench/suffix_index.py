@@ -6,9 +6,12 @@ The "agent" context is this repository's code, cut into tokens by a regex (words
 white space, single symbols; about as fine as a BPE on code): a prompt of --prompt-tokens
 tokens that reads other files and then the file to edit. Outputs: `rewrite` (the file with an
 identifier renamed and every 15th line replaced), `edit` (an Edit call: a 40-line block of the
-file, then that block with two lines changed and one added), `fresh` (a file the prompt does
-not hold: nothing to copy but idioms). Each runs with the request's own index alone and with
-a shared index that holds the rest of the repository as earlier outputs.
+file, then that block with two lines changed and one added, in Qwen3-Coder XML: raw text),
+`edit-json` (the same call with JSON arguments, as Hermes-style templates write it: the block
+escaped), `fresh` (a file the prompt does not hold: nothing to copy but idioms). Each runs with
+the request's own index alone and with a shared index that holds the rest of the repository as
+earlier outputs; `edit-json` also with the prompt's JSON view beside it (`+view`,
+proposers/suffix.json_view).
 
 Printed per output: tokens per cycle (the speed-up bound at a free verify), the share of
 cycles with a draft, the mean draft length, acceptance (kept / drafted tokens), the mean
@@ -22,26 +25,41 @@ proposal timed as the least of 3 runs; the append that merges the unsorted tail,
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import time
 from collections import Counter
 from pathlib import Path
 
+from mlxmtp.engine.proposers.suffix import json_view
 from mlxmtp.engine.suffix_index import SharedOutputs, SuffixDrafter
 
 ROOT = Path(__file__).resolve().parent.parent
 PIECES = re.compile(r"\w+|\s+|[^\w\s]")
-TARGET = ROOT / "mlxmtp" / "engine" / "prefix_cache.py"  # read in the prompt, then edited
+TARGET = ROOT / "mlxmtp" / "engine" / "prefix" / "cache.py"  # read in the prompt, then edited
 FRESH = ROOT / "mlxmtp" / "engine" / "memory.py"  # in no prompt and no shared output
 
 
 class Tokenizer:
     def __init__(self) -> None:
         self.ids: dict = {}
+        self.pieces: list = []
 
     def __call__(self, text: str) -> list:
-        return [self.ids.setdefault(p, len(self.ids)) for p in PIECES.findall(text)]
+        out = []
+        for p in PIECES.findall(text):
+            if p not in self.ids:
+                self.ids[p] = len(self.pieces)
+                self.pieces.append(p)
+            out.append(self.ids[p])
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list:
+        return self(text)
+
+    def decode(self, ids: list) -> str:
+        return "".join(self.pieces[i] for i in ids)
 
 
 def _files(exclude) -> list:
@@ -71,12 +89,14 @@ def outputs(tok: Tokenizer) -> dict:
     new = block[:10] + ["        # checked above\n", other[5]] + block[11:30] + [other[7]] + block[31:]
     edit = ('<tool_call>\n<function=Edit>\n<parameter=old_string>\n' + "".join(block)
             + '</parameter>\n<parameter=new_string>\n' + "".join(new) + '</parameter>\n</function>\n')
-    return {"rewrite": tok(rewrite), "edit": tok(edit), "fresh": tok(FRESH.read_text())}
+    as_json = json.dumps({"name": "Edit", "arguments": {"old_string": "".join(block), "new_string": "".join(new)}})
+    return {"rewrite": tok(rewrite), "edit": tok(edit), "edit-json": tok(f"<tool_call>\n{as_json}\n</tool_call>"),
+            "fresh": tok(FRESH.read_text())}
 
 
-def simulate(prompt: list, output: list, shared, max_len: int, knobs: dict) -> dict:
+def simulate(prompt: list, output: list, shared, max_len: int, knobs: dict, view=()) -> dict:
     """One request decoded with a perfect verifier: per cycle, the kept draft + one token."""
-    d = SuffixDrafter(prompt, shared, **knobs)
+    d = SuffixDrafter(prompt, shared, view=view, **knobs)
     s = Counter()
     t_prop, t_app = [], []
     i = 0
@@ -127,6 +147,23 @@ def merge_cost(prompt: list) -> float:
     return min(costs)
 
 
+def view_cost(text: str) -> float:
+    """json_view's time, best of 3, over `text` in the demo's tokenizer (a Qwen BPE), capped
+    at VIEW_TOKENS as a request's view is."""
+    from transformers import AutoTokenizer  # only for this line of the report
+
+    from mlxmtp.models.demo import PACKAGED
+
+    real = AutoTokenizer.from_pretrained(str(PACKAGED))
+    ids = real.encode(text)
+    costs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        json_view(real, ids)
+        costs.append(time.perf_counter() - t0)
+    return min(costs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=30_000)
@@ -155,6 +192,8 @@ def main() -> None:
         for name, out in outs.items():
             r = simulate(prompt, out, sh, args.max_len, knobs)
             report(name, r)
+            if name == "edit-json":
+                report("+view", simulate(prompt, out, sh, args.max_len, knobs, json_view(tok, prompt)))
             props[label] += r["t_prop"]
             apps[label] += r["t_app"]
     print(f"build ({len(prompt)} tokens): best {min(builds) * 1e3:.1f} ms, median "
@@ -164,6 +203,7 @@ def main() -> None:
     for label in props:
         print(f"propose, {label:6s}: {_us(props[label])}")
         print(f"append,  {label:6s}: {_us(apps[label])}")
+    print(f"JSON view of the prompt with the demo's tokenizer: {view_cost(tok.decode(prompt)) * 1e3:.1f} ms")
     adds = []
     for _ in range(3):
         t0 = time.perf_counter()

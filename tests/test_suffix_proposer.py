@@ -4,6 +4,7 @@ kept on text that repeats itself, sampled rows run with q a point mass (the stat
 that are test_proposer's point-mass test), and the config refuses what it cannot run."""
 
 import dataclasses
+import json
 
 import pytest
 from engine_helpers import loaded, prompt_of, reference_greedy
@@ -101,3 +102,30 @@ def test_a_request_sent_back_to_wait_adds_its_output_once():
     proposer.proposal(row, 4)
     proposer.drop_absent(set())
     assert proposer.shared.tokens == 5
+
+
+def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
+    """A Hermes-style tool call copies a file it read as a JSON string (newlines and quotes
+    escaped): with the prompt's JSON view indexed, a copy under way (its first escaped line
+    end written) is drafted on past the next escaped line end; with the prompt alone the
+    draft is the raw text, which the model is not writing."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from mlxmtp.engine.proposers.suffix import json_view
+    from mlxmtp.models import demo
+
+    tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
+    code = 'def area(width, height):\n    """Rectangle."""\n    return width * height\n'
+    prompt = tok.encode(f"<tool_response>\n{code}</tool_response>\n")
+    call = '{"name": "Edit", "arguments": {"old_string": "' + json.dumps(code)[1:-1]
+    said = tok.encode(call[: call.index("Rect") + 4])
+    rest = tok.encode(call[call.index("Rect") + 4 : call.index("return") + 6])
+    row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=prompt), tokens=prompt + said)
+
+    proposer = SuffixProposer(len(tok), view=lambda p: json_view(tok, p))
+    assert proposer.proposal(row, 32).tokens[: len(rest)] == rest
+    assert proposer.states[1].drafter.output() == said  # the view is never output to share
+    alone = SuffixProposer(len(tok)).proposal(row, 32)
+    assert alone.tokens[: len(rest)] != rest

@@ -255,13 +255,15 @@ class SharedOutputs:
 
 
 class SuffixDrafter:
-    """One request's suffix drafter: an index over its prompt and output (append each
-    emitted token) and, when given, the server's shared outputs (`finish` adds this one's)."""
+    """One request's suffix drafter: an index over its prompt and output (append each emitted
+    token), over another rendering of its prompt (`view`: JSON-escaped, as a tool call's string
+    argument copies it; never output) and the server's shared outputs (`finish` adds this one's)."""
 
-    def __init__(self, prompt: Sequence[int], shared: Optional[SharedOutputs] = None, *,
+    def __init__(self, prompt: Sequence[int], shared: Optional[SharedOutputs] = None, *, view: Sequence[int] = (),
                  min_match: int = 2, max_match: int = 32, spec_factor: float = 1.0,
                  spec_offset: float = 0.0, min_prob: float = 0.1, live_max: int = 1024) -> None:
         self.index = TokenIndex(prompt, min_match, max_match, live_max)
+        self.view = TokenIndex(view, min_match, max_match, live_max=0) if len(view) else None
         self.prompt_len, self.shared = len(prompt), shared
         self.max_match, self.spec_factor, self.spec_offset = max_match, spec_factor, spec_offset
         self.min_prob = min_prob
@@ -287,7 +289,8 @@ class SuffixDrafter:
         ctx = (ix.buf[max(ix.pad, ix.n - self.max_match):ix.n] if context_tail is None
                else np.asarray(context_tail, dtype=np.int32)[-self.max_match:])
         ctx_rev = np.ascontiguousarray(ctx[::-1])
-        indexes = (list(self.shared.chunks) if self.shared is not None else []) + [ix]
+        # Oldest first: the request's own text last, so that its occurrences count as the latest.
+        indexes = [*(self.shared.chunks if self.shared is not None else []), *filter(None, [self.view]), ix]
         found = [(i.buf, *i.match(ctx_rev)) for i in indexes]
         length = max(m for _, m, _ in found)
         limit = min(max_len, int(length * self.spec_factor + self.spec_offset + 1e-6))

@@ -10,7 +10,7 @@ from ..pieces import ModelPieces
 from .base import Proposer
 from .hybrid import HybridProposer
 from .mtp import MTPProposer
-from .suffix import SuffixProposer
+from .suffix import SuffixProposer, json_view
 
 
 def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
@@ -22,7 +22,9 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     reference: a drafter that held its engine would keep the engine, and every cache it
     holds, alive after its last use until a garbage collection."""
     def suffix() -> SuffixProposer:
-        return SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share)
+        tok = engine.tokenizer
+        return SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share,
+                              view=lambda prompt: json_view(tok, prompt) if tok is not None else [])
 
     if engine.config.draft_source == "suffix":
         return suffix()
