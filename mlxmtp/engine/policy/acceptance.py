@@ -35,6 +35,7 @@ class Acceptance:
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
         self._first_tried: Counter = Counter()  # per class, every first draft tried
+        self._fresh: Counter = Counter()  # per class, first drafts a request just started must try (reopen)
 
     def estimate(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k for rows of class
@@ -74,6 +75,7 @@ class Acceptance:
             for i in range(1, self.max_depth + 1):
                 counts[i] *= self.decay
         self._first_tried.update(classes)
+        self._fresh.subtract(classes)
         for kept, cls in zip(kept_per_row, classes):
             kept_c, tried_c = self._counts((cls, k))
             for i in range(1, k + 1):
@@ -85,6 +87,16 @@ class Acceptance:
     def first_drafts_tried(self, cls: Hashable) -> int:
         """How many first drafts rows of class `cls` have had tried, ever (not decayed)."""
         return self._first_tried[cls]
+
+    def reopen(self, cls: Hashable, drafts: int, settled: float) -> None:
+        """A request of class `cls` starts: if the class's estimate rests on fewer than
+        `settled` first drafts (decayed, over its depths), its next `drafts` first drafts are
+        to be tried (`fresh`) before the estimate may keep it from drafting."""
+        if sum(self.tried[key][1] for key in self.tried if key[0] == cls) < settled:
+            self._fresh[cls] = drafts
+
+    def fresh(self, cls: Hashable) -> int:
+        return self._fresh[cls]
 
     def tried_at(self, cls: Hashable, k: int) -> float:
         """First drafts tried at depth k by rows of class `cls`, in steady cycles (decayed):

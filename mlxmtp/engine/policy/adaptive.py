@@ -38,22 +38,8 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from ..limits import MAX_DRAFT_DEPTH
 from . import probes
 from .acceptance import Acceptance
-from .base import GREEDY, Policy, cost_kind
+from .base import GREEDY, Policy, bucket, cost_key
 from .cycle_costs import CycleCosts, SwitchCosts
-
-
-def _bucket(batch_size: int) -> int:
-    b = 1
-    while b < batch_size:
-        b *= 2
-    return b
-
-
-def cost_key(batch_size: int, classes: Optional[Sequence[Hashable]] = None) -> Tuple[int, str]:
-    """Which cost table prices a cycle: (batch-size bucket, the batch's kind). A batch with a
-    sampled row runs the sampled draft and accept steps (per-row distributions, random
-    draws, rejection sampling), more work per cycle than the argmax a greedy batch needs."""
-    return _bucket(batch_size), cost_kind(classes)
 
 
 @dataclass
@@ -67,7 +53,8 @@ class PolicyConfig:
     margin: float = 0.05  # drafting must beat plain decoding by this much
     hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
     min_samples: int = 3  # cost samples before a depth counts as measured
-    learn_drafts: int = 8  # first drafts a class (_learning), and a depth (_worth_learning), must try
+    learn_drafts: int = 8  # first drafts a class (_learning), a depth (_worth_learning) and a request must try
+    settled: float = 32.0  # first drafts of a class's own (decayed) past which a new request learns nothing new
     burst: int = 3  # cycles per calibration block / probe without a partner
     prior_accept: float = 0.5  # acceptance assumed before any draft was tried
     prior_weight: float = 2.0  # pseudo-counts of that prior
@@ -118,7 +105,7 @@ class DepthPolicy(Policy):
         by half, so live cycles still measure plain decoding against k = 1 in alternating
         blocks and probe the other depths before any counts as measured; the calibration
         orders the depths until then, and compiles their kernels on the way."""
-        self._costs((_bucket(batch_size), kind)).seed(seconds)
+        self._costs((bucket(batch_size), kind)).seed(seconds)
 
     def acceptance(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k (see Acceptance)."""
@@ -175,7 +162,7 @@ class DepthPolicy(Policy):
                 return self._because(PROBE, self._start_probe(step))
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
         if self._learning(key, classes, bound):
-            best, why = self._learning_depth(key, bound), LEARNING
+            best, why = self._learning_depth(key, bound, classes), LEARNING
         else:
             best, why = self._hold(key, best, mean)
         self.regime = best
@@ -190,14 +177,28 @@ class DepthPolicy(Policy):
         that, plain decoding would be chosen on the prior acceptance alone, and once chosen
         it teaches nothing about acceptance: one noisy cost measurement could then keep a
         good head idle for a whole run (BENCHMARKS.md, cold start). Only where a measured
-        drafting depth could beat plain decoding by the optimistic estimates (`bound`)."""
-        return (self._learning_depth(key, bound) is not None
-                and min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts)
+        drafting depth could beat plain decoding by the optimistic estimates (`bound`), or
+        for a request's own first drafts while its class's evidence is thin (`request_started`)."""
+        return (self._learning_depth(key, bound, classes) is not None
+                and (min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
+                     or self._fresh(classes)))
 
-    def _learning_depth(self, key: Tuple[int, str], bound: Dict[int, float]) -> Optional[int]:
+    def _learning_depth(self, key: Tuple[int, str], bound: Dict[int, float], classes: List[Hashable]) -> Optional[int]:
         """The cheapest measured drafting depth that could beat plain decoding by the
         optimistic estimates (the first drafts, what decides most, cost least there)."""
-        return next((k for k in sorted(bound) if k > 0 and self._calibrated(key, k) and bound[k] > bound[0]), None)
+        fresh = self._fresh(classes)
+        return next((k for k in sorted(bound) if k > 0 and self._calibrated(key, k) and (fresh or bound[k] > bound[0])),
+                    None)
+
+    def _fresh(self, classes: List[Hashable]) -> bool:
+        return any(self.accept.fresh(cls) > 0 for cls in set(classes))
+
+    def request_started(self, cls: Hashable) -> None:
+        """A request's first cycle: its own first drafts are learnt (`learn_drafts` of them, in
+        `_learning`) while its class's rest on fewer than `settled` (decayed) first drafts: a few
+        unlucky first drafts of one request must not keep plain decoding for every later one
+        (counts fade only in drafting cycles, and probes from plain decoding are rare)."""
+        self.accept.reopen(cls, self.cfg.learn_drafts, self.cfg.settled)
 
     def _switch_table(self, key: Tuple[int, str]) -> None:
         """A batch priced by another table (another batch bucket or kind) than the last

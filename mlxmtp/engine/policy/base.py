@@ -8,7 +8,7 @@ size, greedy and sampled, and hands them to `seed_costs` (engine/policy/calibrat
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 # The acceptance classes of rows (engine/state.acceptance_classes): greedy, sampled, and
 # sampled reproducibly (engine/sampling/seeded.py); the first two are also the kinds of batch a
@@ -20,6 +20,20 @@ def cost_kind(classes: Optional[Sequence[Hashable]]) -> str:
     """SAMPLED if any row of the batch samples, else GREEDY: a cycle's cost depends on it
     (a sampled row's draft and accept steps make and compare whole distributions)."""
     return SAMPLED if classes and (SAMPLED in classes or REPRODUCIBLE in classes) else GREEDY
+
+
+def bucket(batch_size: int) -> int:
+    b = 1
+    while b < batch_size:
+        b *= 2
+    return b
+
+
+def cost_key(batch_size: int, classes: Optional[Sequence[Hashable]] = None) -> Tuple[int, str]:
+    """Which cost table prices a cycle: (batch-size bucket, the batch's kind). A batch with a
+    sampled row runs the sampled draft and accept steps (per-row distributions, random
+    draws, rejection sampling), more work per cycle than the argmax a greedy batch needs."""
+    return bucket(batch_size), cost_kind(classes)
 
 
 class Policy:
@@ -38,6 +52,9 @@ class Policy:
         """One cycle was read: its depth, its wall time (None: not timed), the drafts each
         row kept, for the first drafting cycle after plain decoding its wall time, and whether
         its drafts were the head's (a cycle of model-free drafts teaches its cost only)."""
+
+    def request_started(self, cls: Hashable) -> None:
+        """A request of acceptance class `cls` has its first decode cycle next."""
 
     def plain_regime(self) -> bool:
         """Whether plain decoding is the depth in use outside probes (the engine then keeps
