@@ -18,7 +18,8 @@ while 1, 3 or 7 requests join it (their prefills run between its cycles).
     python bench/batch.py --concurrency 4,8 --suffix --workload mix --no-joins
     python bench/batch.py --concurrency 4,8 --suffix --workload agents --max-tokens 300 --no-joins
 
-`--temp`: every request samples at that temperature (seeded: the same tokens on both sides).
+`--temp`: every request samples at that temperature, seeded as the server seeds a request with a
+seed (`reproducible`): every setting writes the same tokens.
 `--suffix`: a setting "sfx" beside the others, adaptive with suffix drafts as `serve` runs
 it, with its own "sfx/best fixed" line and "sfx/on" (suffix drafts against MTP alone).
 `--workload mix`: every other request asks again for what the model wrote for its prompt
@@ -83,7 +84,7 @@ def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, 
     ids = []
     for i in range(n):
         ids.append(eng.submit(Request(prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
-                                      params=SamplingParams(temperature=temp, seed=i))))
+                                      params=SamplingParams(temperature=temp, seed=i, reproducible=True))))
     batch_sizes, stats = [], {}
     while eng.has_work:
         evs = eng.step()

@@ -18,6 +18,12 @@ and measured/ideal is the engine's efficiency (draft cost and overhead included)
     python bench/decode.py --models demo --depths 3 --suffix --workload repeat  # suffix drafts, text that repeats
     python bench/decode.py --models demo --depths 2,3 --suffix --workload edit --max-tokens 400  # agents' edits
 
+Sampled rows are seeded as the server seeds a request with a seed (`reproducible`: each token
+decided by the seed and its position, engine/sampling/seeded.py), so every mlxmtp setting writes
+the same text in a round and the ratios compare speed, not texts (unseeded, a setting that drafts
+differently writes other text, which at 0.6 may copy more, or stop after 35 tokens instead of
+200); `--rejection` samples as unseeded requests do instead.
+
 Prompts: code, a different one each round (the demo model's held-out prompts); with
 `--workload rename|edit`, copy and edit tasks on held-out files (demo_tasks.py), chat-rendered.
 Models: `demo` (the packaged demo model), `demo-4bit` (built by bench/quantized_demo.py
@@ -104,7 +110,7 @@ def mlx_lm_tokens(ref, tok, prompt, n, temp, seed):
     yield None
 
 
-def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out, options=None):
+def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out, options=None, same_text=True):
     """mlxmtp on the engine the server runs (k: 0 = MTP off, a pinned depth, or "adaptive";
     `options`: more engine options): returns (generator of tokens produced per step and
     then None, the engine); the request's stats land in out["stats"]."""
@@ -113,7 +119,7 @@ def mlxmtp_tokens(model, tok, prompt, n, temp, seed, k, out, options=None):
 
     def tokens():
         for ev in stream_generate(model, tok, prompt, max_tokens=n, engine=engine,
-                                  params=SamplingParams(temperature=temp, seed=seed)):
+                                  params=SamplingParams(temperature=temp, seed=seed, reproducible=same_text)):
             if ev.stats is not None:  # on the last event
                 out["stats"] = ev.stats.as_dict()
             yield len(ev.token_ids)
@@ -185,7 +191,7 @@ def asked_again(ref, tok, prompt, n):
 
 
 def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16,
-                compiled=False, shape_stable=None, pipelined=False, suffix=False, workload="code"):
+                compiled=False, shape_stable=None, pipelined=False, suffix=False, workload="code", same_text=True):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -213,7 +219,7 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
         for label, k in settings:
             mx.reset_peak_memory()
             gen = (mlx_lm_tokens(ref, tok, prompts[0], max_tokens, temp, 0) if k is None
-                   else mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {}, options.get(label))[0])
+                   else mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {}, options.get(label), same_text)[0])
             for _ in gen:
                 pass
             peak[label] = mx.get_peak_memory()
@@ -229,7 +235,7 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
             # the settings in reverse order.
             for label, k in (ours if r % 2 == 0 else ours[::-1]):
                 out = {}
-                mine = mlxmtp_tokens(model, tok, prompt, max_tokens, temp, r, k, out, options.get(label))
+                mine = mlxmtp_tokens(model, tok, prompt, max_tokens, temp, r, k, out, options.get(label), same_text)
                 theirs = (mlx_lm_tokens(ref, tok, prompt, max_tokens, temp, r), None)
                 res, base = interleaved([mine, theirs], chunk=chunk)
                 results[label].append(dict(res, stats=out["stats"]))
@@ -329,6 +335,8 @@ def main():
                          "file read earlier in the conversation (mlxmtp/models/demo_tasks.py)")
     ap.add_argument("--shape-stable", action="store_true",
                     help="shape-stable caches on every mlxmtp engine (the GPU default) on any backend")
+    ap.add_argument("--rejection", action="store_true",
+                    help="sample as unseeded requests do (each setting writes its own text) instead of seeded")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",") if d]  # "" : MTP off and adaptive only
@@ -340,7 +348,7 @@ def main():
             rounds = args.rounds_quantized if quantized else args.rounds
             chunk = args.chunk_quantized if quantized else args.chunk
             bench_model(name, path, temps, depths, rounds, n, args.markdown, quantized, chunk, args.compiled,
-                        args.shape_stable or None, args.pipelined, args.suffix, args.workload)
+                        args.shape_stable or None, args.pipelined, args.suffix, args.workload, not args.rejection)
 
 
 if __name__ == "__main__":

@@ -310,7 +310,8 @@ def cmd_train(args) -> None:
     from mlxmtp.mlxlm.family import text_parts
     from mlxmtp.models import demo
 
-    p = {**PHASES[args.phase], **({"seed": args.seed, "task_seed": args.seed} if args.seed is not None else {})}
+    p = {**PHASES[args.phase], **({"seed": args.seed, "task_seed": args.seed} if args.seed is not None else {}),
+         **({"steps": args.steps} if args.steps else {})}
     model, head, tok, cfg = load_float32(args.hf)
     parts, probs, vocab = text_parts(model), [], tok.get_vocab_size() - 16
     train_files, held_files = base.stdlib_files()
@@ -417,6 +418,7 @@ def main(argv=None) -> None:
         t.add_argument("--hf", default=None, help="float32 HF export to start from (default: the packaged demo)")
         t.add_argument("--out", required=True)
         t.add_argument("--seed", type=int, default=None, help="of the rows drawn (default: the phase's)")
+        t.add_argument("--steps", type=int, default=None, help="(default: the phase's)")
         t.set_defaults(phase=phase, run=cmd_train)
     m = sub.add_parser("measure")
     m.add_argument("--model", default=None)
