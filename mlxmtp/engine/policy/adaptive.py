@@ -184,8 +184,9 @@ class DepthPolicy(Policy):
                      or self._fresh(classes)))
 
     def _learning_depth(self, key: Tuple[int, str], bound: Dict[int, float], classes: List[Hashable]) -> Optional[int]:
-        """The cheapest measured drafting depth that could beat plain decoding by the
-        optimistic estimates (the first drafts, what decides most, cost least there)."""
+        """The cheapest measured drafting depth that could beat plain decoding by the optimistic
+        estimates (the first drafts, what decides most, cost least there); for a request's own
+        first drafts (`request_started`), the cheapest measured one."""
         fresh = self._fresh(classes)
         return next((k for k in sorted(bound) if k > 0 and self._calibrated(key, k) and (fresh or bound[k] > bound[0])),
                     None)
@@ -194,10 +195,9 @@ class DepthPolicy(Policy):
         return any(self.accept.fresh(cls) > 0 for cls in set(classes))
 
     def request_started(self, cls: Hashable) -> None:
-        """A request's first cycle: its own first drafts are learnt (`learn_drafts` of them, in
-        `_learning`) while its class's rest on fewer than `settled` (decayed) first drafts: a few
-        unlucky first drafts of one request must not keep plain decoding for every later one
-        (counts fade only in drafting cycles, and probes from plain decoding are rare)."""
+        """A request's first cycle: it tries `learn_drafts` first drafts of its own (`_learning`) while
+        its class's estimate rests on fewer than `settled`: a few unlucky first drafts must not keep every
+        later request plain (counts fade only in drafting cycles; probes from plain decoding are rare)."""
         self.accept.reopen(cls, self.cfg.learn_drafts, self.cfg.settled)
 
     def _switch_table(self, key: Tuple[int, str]) -> None:
