@@ -161,8 +161,9 @@ class DepthPolicy(Policy):
             if probes.fits(self._probe_plan(step), limit):
                 return self._because(PROBE, self._start_probe(step))
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
-        if self._learning(key, classes, bound):
-            best, why = self._learning_depth(key, bound, classes), LEARNING
+        learn = self._learning(key, classes, bound)
+        if learn is not None:
+            best, why = learn, LEARNING
         else:
             best, why = self._hold(key, best, mean)
         self.regime = best
@@ -171,17 +172,16 @@ class DepthPolicy(Policy):
             return self._because(PROBE, self._start_probe(alt))
         return self._because(why, best)
 
-    def _learning(self, key: Tuple[int, str], classes: List[Hashable], bound: Dict[int, float]) -> bool:
-        """Whether drafting goes on, whatever the mean estimates say, until the head's first
+    def _learning(self, key: Tuple[int, str], classes: List[Hashable], bound: Dict[int, float]) -> Optional[int]:
+        """The depth at which drafting goes on (None: none), whatever the mean estimates say, until the head's first
         drafts have been tried `learn_drafts` times for every class of the batch: before
         that, plain decoding would be chosen on the prior acceptance alone, and once chosen
         it teaches nothing about acceptance: one noisy cost measurement could then keep a
         good head idle for a whole run (BENCHMARKS.md, cold start). Only where a measured
         drafting depth could beat plain decoding by the optimistic estimates (`bound`), or
         for a request's own first drafts while its class's evidence is thin (`request_started`)."""
-        return (self._learning_depth(key, bound, classes) is not None
-                and (min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
-                     or self._fresh(classes)))
+        unlearnt = min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
+        return self._learning_depth(key, bound, classes) if unlearnt or self._fresh(classes) else None
 
     def _learning_depth(self, key: Tuple[int, str], bound: Dict[int, float], classes: List[Hashable]) -> Optional[int]:
         """The cheapest measured drafting depth that could beat plain decoding by the optimistic
