@@ -4,8 +4,8 @@ SIGTERM: no new connections, open streams run for up to --shutdown-timeout secon
 each ends with its API's own final error event and the process exits 0. A second signal
 exits at once. An empty API key is refused before anything loads.
 
-The model is the float32 fixture (random weights): it never emits an end token, so a
-stream with max_tokens 10**6 (capped by the server at the context room, ~4k tokens) is
+The model is the float32 fixture (random weights): decoding greedily it never emits an end
+token (sampled, it can), so a greedy stream with max_tokens 10**6 (capped by the server at the context room, ~4k tokens) is
 still running when the grace period ends.
 """
 
@@ -84,9 +84,10 @@ def _streams(url, model):
         "chat": Stream(url, "/v1/chat/completions",
                        {"model": model, "messages": msgs, "max_tokens": 10**6, "temperature": 0, "stream": True}),
         "completions": Stream(url, "/v1/completions",
-                              {"model": model, "prompt": "Once upon a time", "max_tokens": 10**6, "stream": True}),
+                              {"model": model, "prompt": "Once upon a time", "max_tokens": 10**6, "temperature": 0,
+                               "stream": True}),
         "messages": Stream(url, "/v1/messages",
-                           {"model": model, "messages": msgs, "max_tokens": 10**6, "stream": True}),
+                           {"model": model, "messages": msgs, "max_tokens": 10**6, "temperature": 0, "stream": True}),
     }
 
 
