@@ -102,7 +102,7 @@ def test_channel_and_shared_policy_on_a_group_of_one():
         max_depth = 4
         why = "scripted"
 
-        def choose(self, batch_size, limit=None, classes=None):
+        def choose(self, batch_size, limit=None, classes=None, requests=None):
             return 3
 
         def needs_costs(self, batch_size):

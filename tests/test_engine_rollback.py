@@ -132,7 +132,7 @@ def test_head_inputs_are_dropped_while_plain_decoding_and_drafting_resumes_exact
         def __init__(self):
             self.n = 0
 
-        def choose(self, batch_size, limit=None, classes=None):
+        def choose(self, batch_size, limit=None, classes=None, requests=None):
             self.n += 1
             if self.n > 80:
                 self.regime = 2

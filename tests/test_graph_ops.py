@@ -37,7 +37,7 @@ class HoldPlain(Policy):
     max_depth = 4
     why = "held at plain decoding"
 
-    def choose(self, batch_size, limit=None, classes=None):
+    def choose(self, batch_size, limit=None, classes=None, requests=None):
         return 0
 
     def plain_regime(self):

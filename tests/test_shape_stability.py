@@ -196,7 +196,7 @@ class ScriptedPolicy(Policy):
     def __init__(self, script, plain):
         self.script, self.i, self.plain = script, 0, plain
 
-    def choose(self, batch_size, limit=None, classes=None):
+    def choose(self, batch_size, limit=None, classes=None, requests=None):
         k = self.script[self.i % len(self.script)]
         self.i += 1
         return min(k, limit) if limit is not None else k

@@ -41,10 +41,10 @@ class SharedPolicy(Policy):
         return self.channel.share_ints(values if self.channel.leader else None, n)
 
     def choose(self, batch_size: int, limit: Optional[int] = None,
-               classes: Optional[Sequence[Hashable]] = None) -> int:
+               classes: Optional[Sequence[Hashable]] = None, requests: Optional[Sequence[Hashable]] = None) -> int:
         mine = None
         if self.channel.leader:
-            mine = [self.inner.choose(batch_size, limit, classes), int(self.inner.plain_regime()), int(self.news()),
+            mine = [self.inner.choose(batch_size, limit, classes, requests), int(self.inner.plain_regime()), int(self.news()),
                     self.digest()]
         k, plain, news, digest = self._decided(mine, 4)
         self.check(digest)
@@ -53,8 +53,11 @@ class SharedPolicy(Policy):
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
-               head: bool = True) -> None:
-        self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds, head)
+               head: bool = True, requests: Optional[Sequence[Hashable]] = None) -> None:
+        self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds, head, requests)
+
+    def request_started(self, cls: Hashable, request: Hashable = None) -> None:
+        self.inner.request_started(cls, request)
 
     def plain_regime(self) -> bool:
         if self._plain is not None:  # shared with the depth of the cycle just chosen

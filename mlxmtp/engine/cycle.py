@@ -69,11 +69,11 @@ def choose_depth(policy, rows: List[Row], proposer) -> Tuple[int, str]:
     if pinned:  # a request that pins its depth gets it (the smallest pin wins in a batch)
         k, why = max(0, min(min(pinned), limit)), "pinned by a request"
     else:
-        classes = acceptance_classes(rows)
+        classes, requests = acceptance_classes(rows), [r.req.id for r in rows]
         for row, cls in zip(rows, classes):
             if row.stats.forwards == 0:  # its first cycle (a pipelined engine may ask twice)
-                policy.request_started(cls)
-        k, why = policy.choose(len(rows), limit, classes), policy.why
+                policy.request_started(cls, row.req.id)
+        k, why = policy.choose(len(rows), limit, classes, requests), policy.why
     k = proposer.plan(rows, k, policy, limit)
     return k, proposer.why() or why
 

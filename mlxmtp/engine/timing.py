@@ -56,7 +56,7 @@ class CycleClock:
             policy.update(rec.k, B, dt if rec.synchronous else None, kept, acceptance_classes(rows), head=False)
         else:
             policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
-                          switch_seconds=interval if self.switched else None)
+                          switch_seconds=interval if self.switched else None, requests=[r.req.id for r in rows])
         self.switched = False
         self.mode = None if suffix else mode
         self.last_finish = now

@@ -3,7 +3,8 @@
 Acceptance is counted per class of request (greedy, sampled), per depth and per
 position, and estimated in three levels, each shrunk towards the one above it: all counts
 (position 1 towards a prior, each deeper position towards the one before it), the
-class's, and the class's at one depth.
+class's, and the class's at one depth; a request's first position has a fourth level, its
+own first drafts (requests.py: requests of one class differ).
 
 The class matters because the same head on the same text keeps far fewer deep drafts
 under argmax agreement (greedy) than under rejection sampling. The depth matters because
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Dict, Hashable, List, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+from .requests import RequestAcceptance
 
 
 class Acceptance:
@@ -35,38 +38,46 @@ class Acceptance:
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
         self._first_tried: Counter = Counter()  # per class, every first draft tried
-        self._fresh: Counter = Counter()  # per class, first drafts a request just started must try (reopen)
+        self.requests = RequestAcceptance(depth_weight)  # each request's own first drafts
 
-    def estimate(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
+    def estimate(self, cls: Hashable, k: int, optimistic: bool = False, request: Hashable = None) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k for rows of class
-        `cls`; `optimistic` adds one standard error (what a position could still turn out
-        to be, given how little it has been tried)."""
+        `cls` (of `request`, where it started here: its first position is partly its own);
+        `optimistic` adds one standard error (what a position could still turn out to be,
+        given how little it has been tried)."""
         in_cls = self._class_level(cls)
         kept, tried = self._counts((cls, k))
         out = []
         for i in range(1, k + 1):
             n = tried[i] + self.depth_weight
             a = (kept[i] + in_cls[i] * self.depth_weight) / n
-            out.append(min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a)
+            value = self.requests.first(request, a, optimistic) if i == 1 else None  # the request's own
+            if value is None:
+                value = min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a
+            out.append(value)
         return out
 
-    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> List[float]:
-        """E(k) per row for k = 0..max_depth, averaged over the rows' classes: one token
-        plus, per position, the chance that it and every draft before it are kept."""
+    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,),
+                        requests: Optional[Sequence[Hashable]] = None) -> List[float]:
+        """E(k) per row for k = 0..max_depth, averaged over the rows (of these classes and
+        requests): one token plus, per position, the chance that it and every draft before
+        it are kept."""
+        rows = Counter(zip(classes, requests or [None] * len(classes)))
         total = [0.0] * (self.max_depth + 1)
-        for cls, n in Counter(classes).items():
+        for (cls, request), n in rows.items():
             total[0] += n
             for k in range(1, self.max_depth + 1):
                 run, e = 1.0, 1.0
-                for a in self.estimate(cls, k, optimistic):
+                for a in self.estimate(cls, k, optimistic, request):
                     run *= a
                     e += run
                 total[k] += n * e
         return [t / len(classes) for t in total]
 
-    def record(self, k: int, kept_per_row: List[int], classes: Sequence[Hashable]) -> None:
-        """One steady cycle of depth k > 0: the drafts each row (of the class at the same
-        index) kept."""
+    def record(self, k: int, kept_per_row: List[int], classes: Sequence[Hashable],
+               requests: Optional[Sequence[Hashable]] = None) -> None:
+        """One steady cycle of depth k > 0: the drafts each row (of the class and request at
+        the same index; without requests, each class counts as one) kept."""
         self._memo.clear()
         # Every position forgets at the same pace, drafted this cycle or not: what was
         # learnt of a depth long unused grows uncertain again (and is re-explored when
@@ -75,7 +86,7 @@ class Acceptance:
             for i in range(1, self.max_depth + 1):
                 counts[i] *= self.decay
         self._first_tried.update(classes)
-        self._fresh.subtract(classes)
+        self.requests.record(kept_per_row, requests or classes)
         for kept, cls in zip(kept_per_row, classes):
             kept_c, tried_c = self._counts((cls, k))
             for i in range(1, k + 1):
@@ -88,15 +99,18 @@ class Acceptance:
         """How many first drafts rows of class `cls` have had tried, ever (not decayed)."""
         return self._first_tried[cls]
 
-    def reopen(self, cls: Hashable, drafts: int, settled: float) -> None:
-        """A request of class `cls` starts: if the class's estimate rests on fewer than
-        `settled` first drafts (decayed, over its depths), its next `drafts` first drafts are
-        to be tried (`fresh`) before the estimate may keep it from drafting."""
-        if sum(self.tried[key][1] for key in self.tried if key[0] == cls) < settled:
-            self._fresh[cls] = drafts
+    def reopen(self, cls: Hashable, drafts: int, request: Hashable = None) -> None:
+        """A request (of class `cls`) starts: its next `drafts` first drafts are its own to
+        try (`fresh`), where the policy finds they could pay."""
+        self.requests.start(cls if request is None else request, drafts)
 
-    def fresh(self, cls: Hashable) -> int:
-        return self._fresh[cls]
+    def fresh(self, classes: Sequence[Hashable], requests: Optional[Sequence[Hashable]] = None) -> bool:
+        """Whether a row has first drafts of its own still to try (`reopen`)."""
+        return self.requests.fresh(requests or classes)
+
+    def evidence(self, cls: Hashable) -> float:
+        """First drafts tried by rows of class `cls` in steady cycles, over its depths (decayed)."""
+        return sum(self.tried[key][1] for key in self.tried if key[0] == cls)
 
     def tried_at(self, cls: Hashable, k: int) -> float:
         """First drafts tried at depth k by rows of class `cls`, in steady cycles (decayed):

@@ -8,7 +8,8 @@ drafting must beat plain decoding by `margin` (a switch to or from plain decodin
 costs of its own, and noise must never buy a slower setting) and another drafting depth
 must beat the current one by `hysteresis`. A batch's E(k) is the mean over its rows.
 
-The pieces: `acceptance.Acceptance` learns a_i per class of request and per depth;
+The pieces: `acceptance.Acceptance` learns a_i per class of request and per depth, and
+a request's first draft also from its own (`requests.RequestAcceptance`);
 `cycle_costs.CycleCosts` holds c(k) as ratios between neighbouring cycles, so that the
 machine's drifting speed cancels (drafting depths never measured are priced by a line
 a + b*k through those that were), and `cycle_costs.SwitchCosts` the extra cost of a
@@ -54,7 +55,7 @@ class PolicyConfig:
     hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
     min_samples: int = 3  # cost samples before a depth counts as measured
     learn_drafts: int = 8  # first drafts a class (_learning), a depth (_worth_learning) and a request must try
-    settled: float = 32.0  # first drafts of a class's own (decayed) past which a new request learns nothing new
+    settled: float = 32.0  # first drafts of a class's own (decayed) past which a request learns only what could pay
     burst: int = 3  # cycles per calibration block / probe without a partner
     prior_accept: float = 0.5  # acceptance assumed before any draft was tried
     prior_weight: float = 2.0  # pseudo-counts of that prior
@@ -88,6 +89,7 @@ class DepthPolicy(Policy):
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
         self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`_worth_learning`)
+        self._requests: Optional[Sequence[Hashable]] = None  # the rows' requests, this choice
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs (engine/policy/calibration.py) before
@@ -111,9 +113,10 @@ class DepthPolicy(Policy):
         """Estimated acceptance of positions 1..k in cycles of depth k (see Acceptance)."""
         return self.accept.estimate(cls, k, optimistic)
 
-    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> List[float]:
-        """E(k) per row for k = 0..max_depth, averaged over the rows' classes."""
-        return self.accept.expected_tokens(optimistic, classes)
+    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,),
+                        requests: Optional[Sequence[Hashable]] = None) -> List[float]:
+        """E(k) per row for k = 0..max_depth, averaged over the rows (their classes and requests)."""
+        return self.accept.expected_tokens(optimistic, classes, requests)
 
     def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
                        depths: Sequence[int]) -> Optional[Dict[int, float]]:
@@ -130,8 +133,10 @@ class DepthPolicy(Policy):
     def _calibrated(self, key: Tuple[int, str], k: int) -> bool:
         return self._costs(key).samples(k) >= self.cfg.min_samples
 
-    def choose(self, batch_size: int, limit: Optional[int] = None, classes: Optional[Sequence[Hashable]] = None) -> int:
-        """The depth of the next cycle; `classes`: each row's acceptance class."""
+    def choose(self, batch_size: int, limit: Optional[int] = None, classes: Optional[Sequence[Hashable]] = None,
+               requests: Optional[Sequence[Hashable]] = None) -> int:
+        """The depth of the next cycle; `classes`, `requests`: each row's acceptance class and request."""
+        self._requests = requests
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if self.fixed is not None:
             return self._because(FIXED, min(self.fixed, cap))
@@ -173,32 +178,23 @@ class DepthPolicy(Policy):
         return self._because(why, best)
 
     def _learning(self, key: Tuple[int, str], classes: List[Hashable], bound: Dict[int, float]) -> Optional[int]:
-        """The depth at which drafting goes on (None: none), whatever the mean estimates say, until the head's first
-        drafts have been tried `learn_drafts` times for every class of the batch: before
-        that, plain decoding would be chosen on the prior acceptance alone, and once chosen
-        it teaches nothing about acceptance: one noisy cost measurement could then keep a
-        good head idle for a whole run (BENCHMARKS.md, cold start). Only where a measured
-        drafting depth could beat plain decoding by the optimistic estimates (`bound`), or
-        for a request's own first drafts while its class's evidence is thin (`request_started`)."""
+        """The depth at which drafting goes on (None: none) whatever the mean estimates say, until the head's
+        first drafts have been tried `learn_drafts` times for every class of the batch, and for a request's
+        own first drafts (`request_started`): plain decoding chosen on the prior acceptance, or on a few
+        unlucky drafts, teaches nothing about acceptance, and one noisy cost measurement could keep a
+        good head idle for a whole run (BENCHMARKS.md, cold start). Where: probes.learning_depth."""
         unlearnt = min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
-        return self._learning_depth(key, bound, classes) if unlearnt or self._fresh(classes) else None
+        fresh = self.accept.fresh(classes, self._requests)
+        if not (unlearnt or fresh):
+            return None
+        measured = [k for k in sorted(bound) if k > 0 and self._calibrated(key, k)]
+        thin = fresh and any(self.accept.evidence(cls) < self.cfg.settled for cls in set(classes))
+        return probes.learning_depth(measured, bound, fresh, thin)
 
-    def _learning_depth(self, key: Tuple[int, str], bound: Dict[int, float], classes: List[Hashable]) -> Optional[int]:
-        """The cheapest measured drafting depth that could beat plain decoding by the optimistic
-        estimates (the first drafts, what decides most, cost least there); for a request's own
-        first drafts (`request_started`), the cheapest measured one."""
-        fresh = self._fresh(classes)
-        return next((k for k in sorted(bound) if k > 0 and self._calibrated(key, k) and (fresh or bound[k] > bound[0])),
-                    None)
-
-    def _fresh(self, classes: List[Hashable]) -> bool:
-        return any(self.accept.fresh(cls) > 0 for cls in set(classes))
-
-    def request_started(self, cls: Hashable) -> None:
-        """A request's first cycle: it tries `learn_drafts` first drafts of its own (`_learning`) while
-        its class's estimate rests on fewer than `settled`: a few unlucky first drafts must not keep every
-        later request plain (counts fade only in drafting cycles; probes from plain decoding are rare)."""
-        self.accept.reopen(cls, self.cfg.learn_drafts, self.cfg.settled)
+    def request_started(self, cls: Hashable, request: Hashable = None) -> None:
+        """A request's first cycle: it tries `learn_drafts` first drafts of its own (`_learning`) where they
+        could pay by its own optimistic estimate (requests.py), or while its class's evidence is thin."""
+        self.accept.reopen(cls, self.cfg.learn_drafts, request)
 
     def _switch_table(self, key: Tuple[int, str]) -> None:
         """A batch priced by another table (another batch bucket or kind) than the last
@@ -210,7 +206,7 @@ class DepthPolicy(Policy):
 
     def _rates(self, costs: Dict[int, float], classes: List[Hashable], optimistic: bool) -> Dict[int, float]:
         # Expected tokens per unit of cost, plain decoding's raised by the margin drafting must beat.
-        e = self.expected_tokens(optimistic, classes)
+        e = self.expected_tokens(optimistic, classes, self._requests)
         r = {k: e[k] / c for k, c in costs.items()}
         r[0] *= 1 + self.cfg.margin
         return r
@@ -285,7 +281,7 @@ class DepthPolicy(Policy):
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
-               head: bool = True) -> None:
+               head: bool = True, requests: Optional[Sequence[Hashable]] = None) -> None:
         """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept,
         each row's acceptance class, for the first drafting cycle after plain decoding (not
         timed as a cycle) its wall time, and whether its drafts were the head's (else only its cost counts)."""
@@ -295,6 +291,6 @@ class DepthPolicy(Policy):
         # state of that depth: see probes.plan).
         steady, self._last_k = k == self._last_k, k if head else None
         if k > 0 and steady and head:
-            self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row))
+            self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row), requests)
         if seconds is not None and seconds > 0:
             self._costs(key).add(k, seconds, self.cycles)

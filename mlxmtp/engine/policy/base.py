@@ -41,20 +41,21 @@ class Policy:
     why: str = ""  # why the last choice was made (request stats, /metrics)
 
     def choose(self, batch_size: int, limit: Optional[int] = None,
-               classes: Optional[Sequence[Hashable]] = None) -> int:
+               classes: Optional[Sequence[Hashable]] = None, requests: Optional[Sequence[Hashable]] = None) -> int:
         """The next cycle's depth for `batch_size` rows; `limit`: the most drafts worth
-        making (room left to the row with the most); `classes`: each row's acceptance class."""
+        making (room left to the row with the most); `classes`, `requests`: each row's
+        acceptance class and request id."""
         raise NotImplementedError
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
-               head: bool = True) -> None:
+               head: bool = True, requests: Optional[Sequence[Hashable]] = None) -> None:
         """One cycle was read: its depth, its wall time (None: not timed), the drafts each
         row kept, for the first drafting cycle after plain decoding its wall time, and whether
         its drafts were the head's (a cycle of model-free drafts teaches its cost only)."""
 
-    def request_started(self, cls: Hashable) -> None:
-        """A request of acceptance class `cls` has its first decode cycle next."""
+    def request_started(self, cls: Hashable, request: Hashable = None) -> None:
+        """A request (id `request`) of acceptance class `cls` has its first decode cycle next."""
 
     def plain_regime(self) -> bool:
         """Whether plain decoding is the depth in use outside probes (the engine then keeps

@@ -50,6 +50,18 @@ def climb(best: int, priced: Dict[int, float]) -> int:
     return next((k for k in range(1, best) if k not in priced), best)
 
 
+def learning_depth(measured: List[int], bound: Dict[int, float], fresh: bool, thin: bool) -> Optional[int]:
+    """The depth at which to learn acceptance (None: none): the cheapest of the `measured`
+    drafting depths that could beat plain decoding by the optimistic estimates (`bound`; the
+    first drafts, what decides most, cost least there). For a request's own first drafts
+    (`fresh`): the one of those with the best optimistic rate, else, while its class's
+    evidence is `thin`, the cheapest measured one."""
+    could_pay = [k for k in measured if bound[k] > bound[0]]
+    if could_pay:
+        return max(could_pay, key=bound.get) if fresh else could_pay[0]
+    return measured[0] if thin and measured else None
+
+
 def fits(depths: List[int], limit: Optional[int]) -> bool:
     """Whether a probe of these cycles can run them all before the batch runs out of
     tokens (`limit` + 1 left to the row with the most room): a probe cut short pays its
