@@ -164,8 +164,9 @@ def test_a_few_unlucky_first_drafts_do_not_keep_later_requests_plain(seed):
 
 
 def test_a_dead_head_costs_little_however_many_requests_start():
-    # Each new request learns its first drafts only while the class's evidence is thin
-    # (settled: 32 first drafts): a head whose drafts are never kept, over 10 requests.
+    # Each new request learns its first drafts only where its own optimistic estimate could
+    # pay or while the class's evidence is thin (settled: 32 first drafts): a head whose
+    # drafts are never kept, over 10 requests.
     cost = lambda k: 1.0 + 0.3 * k  # noqa: E731
     chosen, tps = simulate(cost, 0.0, cycles=1000, calibrated={k: cost(k) for k in range(5)},
                            starts=range(0, 1000, 100))

@@ -89,7 +89,6 @@ class DepthPolicy(Policy):
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
         self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`_worth_learning`)
-        self._requests: Optional[Sequence[Hashable]] = None  # the rows' requests, this choice
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs (engine/policy/calibration.py) before
@@ -136,7 +135,6 @@ class DepthPolicy(Policy):
     def choose(self, batch_size: int, limit: Optional[int] = None, classes: Optional[Sequence[Hashable]] = None,
                requests: Optional[Sequence[Hashable]] = None) -> int:
         """The depth of the next cycle; `classes`, `requests`: each row's acceptance class and request."""
-        self._requests = requests
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if self.fixed is not None:
             return self._because(FIXED, min(self.fixed, cap))
@@ -158,7 +156,7 @@ class DepthPolicy(Policy):
             self._calibration[key] = n + 1
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
         classes = list(classes) if classes else [None]
-        mean, bound = self._rates(costs, classes, False), self._rates(costs, classes, True)
+        mean, bound = self._rates(costs, classes, requests, False), self._rates(costs, classes, requests, True)
         self._unlearnt = self._worth_learning(mean, bound, classes)
         best = max(mean, key=mean.get)
         if not self._calibrated(key, best):
@@ -166,7 +164,7 @@ class DepthPolicy(Policy):
             if probes.fits(self._probe_plan(step), limit):
                 return self._because(PROBE, self._start_probe(step))
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
-        learn = self._learning(key, classes, bound)
+        learn = self._learning(key, classes, requests, bound)
         if learn is not None:
             best, why = learn, LEARNING
         else:
@@ -177,14 +175,15 @@ class DepthPolicy(Policy):
             return self._because(PROBE, self._start_probe(alt))
         return self._because(why, best)
 
-    def _learning(self, key: Tuple[int, str], classes: List[Hashable], bound: Dict[int, float]) -> Optional[int]:
+    def _learning(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]],
+                  bound: Dict[int, float]) -> Optional[int]:
         """The depth at which drafting goes on (None: none) whatever the mean estimates say, until the head's
         first drafts have been tried `learn_drafts` times for every class of the batch, and for a request's
         own first drafts (`request_started`): plain decoding chosen on the prior acceptance, or on a few
         unlucky drafts, teaches nothing about acceptance, and one noisy cost measurement could keep a
         good head idle for a whole run (BENCHMARKS.md, cold start). Where: probes.learning_depth."""
         unlearnt = min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
-        fresh = self.accept.fresh(classes, self._requests)
+        fresh = self.accept.fresh(classes, requests)
         if not (unlearnt or fresh):
             return None
         measured = [k for k in sorted(bound) if k > 0 and self._calibrated(key, k)]
@@ -204,9 +203,10 @@ class DepthPolicy(Policy):
             self._regimes[self._key] = self.regime
         self._key, self.regime, self._plan = key, self._regimes.get(key, 0), []
 
-    def _rates(self, costs: Dict[int, float], classes: List[Hashable], optimistic: bool) -> Dict[int, float]:
+    def _rates(self, costs: Dict[int, float], classes: List[Hashable], requests: Optional[Sequence[Hashable]],
+               optimistic: bool) -> Dict[int, float]:
         # Expected tokens per unit of cost, plain decoding's raised by the margin drafting must beat.
-        e = self.expected_tokens(optimistic, classes, self._requests)
+        e = self.expected_tokens(optimistic, classes, requests)
         r = {k: e[k] / c for k, c in costs.items()}
         r[0] *= 1 + self.cfg.margin
         return r
