@@ -27,7 +27,7 @@ from .requests import RequestAcceptance
 
 class Acceptance:
     def __init__(self, max_depth: int, prior_accept: float, prior_weight: float,
-                 depth_weight: float, decay: float):
+                 depth_weight: float, decay: float, request_weight: float = 4.0):
         self.max_depth = max_depth
         self.prior_accept = prior_accept  # acceptance assumed before any draft was tried
         self.prior_weight = prior_weight  # pseudo-counts of that prior
@@ -38,7 +38,7 @@ class Acceptance:
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
         self._first_tried: Counter = Counter()  # per class, every first draft tried
-        self.requests = RequestAcceptance(depth_weight)  # each request's own first drafts
+        self.requests = RequestAcceptance(request_weight)  # each request's own first drafts
 
     def estimate(self, cls: Hashable, k: int, optimistic: bool = False, request: Hashable = None) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k for rows of class

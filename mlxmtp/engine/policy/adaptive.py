@@ -60,6 +60,7 @@ class PolicyConfig:
     prior_accept: float = 0.5  # acceptance assumed before any draft was tried
     prior_weight: float = 2.0  # pseudo-counts of that prior
     depth_weight: float = 4.0  # pseudo-counts shrinking a depth's acceptance to its class's
+    request_weight: float = 4.0  # pseudo-counts shrinking a request's first draft to its class's
     decay: float = 0.998  # per-cycle forgetting of acceptance counts
     calibrate: bool = True  # measure cycle costs before the first cycle of a batch bucket
 
@@ -77,7 +78,8 @@ class DepthPolicy(Policy):
         self.fixed = fixed
         self.cfg = cfg = config or PolicyConfig()
         self.why = ""  # the reason for the last choice (one of the constants above)
-        self.accept = Acceptance(self.max_depth, cfg.prior_accept, cfg.prior_weight, cfg.depth_weight, cfg.decay)
+        self.accept = Acceptance(self.max_depth, cfg.prior_accept, cfg.prior_weight, cfg.depth_weight, cfg.decay,
+                                 cfg.request_weight)
         self.costs: Dict[Tuple[int, str], CycleCosts] = {}  # per cost_key: batch bucket and kind
         self.switch = SwitchCosts(cfg.window)  # in plain cycles, per cost_key
         self.cycles = 0
