@@ -2,9 +2,10 @@
 
 Fast tests check the pieces in one process (plan, wire format, start-up check, shared
 policy on a group of one); the slow ones launch 2 ranks: greedy output identical to
-mlx-lm's for the demo model and two fixture families (one MoE) at every depth and batch
-1 and 4, sampling that passes the chi-square test, the CLI, the server on rank 0, and
-the faults (a rank killed or stopped mid-request, mismatched folders)."""
+mlx-lm's for the demo model and two fixture families (one MoE) at plain, shallow, the
+deepest and adaptive drafting, batch 1 and 4, sampling that passes the chi-square test, the
+CLI, the server on rank 0, and the faults (a rank killed or stopped mid-request, mismatched
+folders)."""
 
 import json
 import shutil
@@ -130,11 +131,15 @@ PROMPTS = [prompt_of(n, seed=n) for n in (5, 23, 61, 140)]
 
 @pytest.mark.slow
 def test_two_ranks_greedy_equals_mlx_lm(fixture_model):
-    """One launch, three models: two fixture families (one MoE) at every depth and batch 1 and
-    4, their random heads' drafts rejected, and the trained demo model, whose head adds the
-    cycles that keep drafts (at depths 1 and 3 and the adaptive policy's, batch 4)."""
-    jobs = [dict(model=str(fixture_model(f)["hf"]), prompts=PROMPTS[:3], max_tokens=10, depths="0,1,2,3,4,adaptive")
-            for f in ("qwen3_next", "qwen3_6_moe")]
+    """One launch, three models: two fixture families (one MoE), their random heads' drafts
+    rejected (the rollback of 1 and of 4 drafts, plain decoding and the adaptive policy's
+    choice, at batch 1 and 4; the MoE at its deepest, batch 4), and the trained demo model,
+    whose head adds the cycles that keep drafts (at depths 1 and 3 and the adaptive policy's,
+    batch 4). Every depth and batch in one process: tests/test_engine_exact.py."""
+    jobs = [dict(model=str(fixture_model("qwen3_next")["hf"]), prompts=PROMPTS[:3], max_tokens=10,
+                 depths="0,1,4,adaptive"),
+            dict(model=str(fixture_model("qwen3_6_moe")["hf"]), prompts=PROMPTS[:3], max_tokens=10,
+                 depths="4", batches=[4])]
     jobs.append(dict(model=DEMO, prompts=PROMPTS, max_tokens=16, depths="1,3,adaptive", batches=[4]))
     got = run_worker("greedy", "--jobs", json.dumps(jobs))
     for job, result in zip(jobs, got["result"], strict=True):
