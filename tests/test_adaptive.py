@@ -284,7 +284,9 @@ def test_sampled_batches_are_priced_apart_from_greedy_ones(seed):
     # for greedy batches (k = 4 makes 1.77x plain decoding) and loses for sampled ones (the
     # best depth, k = 2, makes 0.98x). Requests alternate every 200 cycles. With one cost
     # table for both, sampled stretches kept the greedy regime's depth (the pairs that
-    # would correct it come from rare probes) and made 0.93-0.95x of plain decoding.
+    # would correct it come from rare probes) and made 0.93-0.95x of plain decoding. Where the
+    # mean estimates say a depth pays and its cost is too unsure to draft (seed 1), probes
+    # measure it every few dozen cycles: 11% of the sampled cycles, at 0.95x plain's rate.
     cheap, dear = [1.0, 1.3, 1.5, 1.7, 1.9], [1.0, 1.9, 2.5, 3.1, 3.7]
     cost = lambda k, c: (cheap if c == "greedy" else dear)[k]  # noqa: E731
     cls = lambda i: "greedy" if (i // 200) % 2 == 0 else "sampled"  # noqa: E731
@@ -294,7 +296,7 @@ def test_sampled_batches_are_priced_apart_from_greedy_ones(seed):
         tail = [k for i, k in enumerate(chosen) if i >= 400 and cls(i) == c and i % 200 >= 50]
         assert sum(rates[k] for k in tail) / len(tail) > 0.96 * max(rates.values()), c
         if c == "sampled":
-            assert tail.count(0) > 0.9 * len(tail)
+            assert tail.count(0) > 0.85 * len(tail)
 
 
 def test_seeded_costs_of_each_kind_price_their_own_batches():
@@ -565,3 +567,43 @@ def test_cycle_costs_reconcile_pairs_by_least_squares():
     r13 = got[3] / got[1]
     assert 1.32 < r13 < 1.5  # between the chained and the direct measurement
     assert costs.costs([0])[0] is None  # plain decoding never measured: unknown
+
+
+def test_a_cost_ratio_is_as_unsure_as_the_machines_noise_and_its_chain_of_pairs():
+    from mlxmtp.engine.policy.cycle_costs import CycleCosts
+
+    rng = random.Random(0)
+    costs, cycle = CycleCosts(window=60), 0
+    costs.seed({0: 1.0, 1: 1.5, 2: 1.9})  # priors: (0, 1) and (1, 2), one sample's worth each
+    prior = costs.spread_from_plain(0.1)
+    assert prior[1] == pytest.approx(0.1) and prior[2] == pytest.approx(0.1 * 2**0.5)
+    assert 3 not in prior  # nothing links it to plain decoding
+
+    def block(k, n, noise):
+        nonlocal cycle
+        for _ in range(n):
+            cycle += 1
+            costs.add(k, (1.0 + 0.5 * k) * rng.lognormvariate(0, noise), cycle)
+
+    spreads = []
+    for n in range(12):  # blocks of plain decoding and k = 1 on a machine with 20% noise per cycle
+        block(n % 2, 4, 0.2)
+        if n in (3, 11):
+            spreads.append(costs.spread_from_plain(0.1))
+            samples = len(costs.pairs[(0, 1)])
+            if n == 3:  # noise between neighbouring cycles of one depth: sqrt(2) * 0.2 per pair sample
+                pair_sd = spreads[0][1] * samples**0.5
+    assert 0.18 < pair_sd < 0.4 and spreads[0][1] > prior[1]
+    assert spreads[1][1] < spreads[0][1] * 0.7  # 11 samples against 3
+    assert spreads[1][2] > spreads[1][1]  # k = 2 still priced by its prior against k = 1
+
+
+@pytest.mark.parametrize("seed", [6, 8, 14])
+def test_noisy_costs_at_a_new_batch_size_do_not_buy_drafting_that_loses(seed):
+    # 4 rows on a backend where a verify costs nearly what its tokens cost (c(k) = 1 + 0.75k):
+    # plain decoding is best (k = 1 makes 0.97x, k = 3 0.78x), no calibration for this batch
+    # size, 20% noise per cycle. Picking the best of noisy cost estimates favoured a depth
+    # whose cost came out low: these seeds made 0.87-0.94x of plain decoding (now 0.95-0.99x).
+    cost = lambda k: 1.0 + 0.75 * k  # noqa: E731
+    chosen, tps = simulate(cost, 0.7, cycles=300, noise=0.2, seed=seed, batch=4)
+    assert tps / 4 > 0.94

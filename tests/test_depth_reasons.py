@@ -8,7 +8,7 @@ from mlxmtp.engine.policy import adaptive
 from mlxmtp.engine.sampling.params import SamplingParams
 
 KNOWN = {adaptive.FIXED, adaptive.NO_ROOM, adaptive.CALIBRATING, adaptive.PROBE, adaptive.BEST, adaptive.HOLDING,
-         adaptive.LEARNING}
+         adaptive.LEARNING, adaptive.UNSURE}
 
 
 def test_reasons_cover_every_cycle(fixture_model):

@@ -121,7 +121,7 @@ class _Policy:
     def expected_tokens(self, optimistic=False, classes=(None,)):
         return [sum(self.a ** i for i in range(j + 1)) for j in range(5)]
 
-    def relative_costs(self, batch_size, classes, depths):
+    def relative_costs(self, batch_size, classes, depths, cautious=False):
         return {k: 1 + self.slope * k for k in depths}
 
 
@@ -267,6 +267,35 @@ def test_a_row_copying_a_long_run_drafts_long_beside_a_strong_head():
     copying = Draft(list(range(32)), [1.0] * 32, 32)
     assert hybrid_plan.choose(3, rows, [copying], strong, cal, 32).depth >= 16
     assert hybrid_plan.choose(3, rows, [copying._replace(match_len=4)], strong, cal, 32) == hybrid_plan.head_only(3)
+
+
+def test_suffix_depths_are_priced_with_the_policys_doubt_about_their_cost():
+    """A long verify's cost measured a couple of times on a noisy machine may have come out low;
+    the plan prices depths other than the head's with the policy's doubt about them, and a
+    draft that pays only if the cost estimate is right waits until it is measured better."""
+    rows = [GREEDY] * 4
+
+    def policy_after(samples, jitter):
+        """Plain cycles of 20 ms whose neighbours differ by `jitter`, and `samples` cycles of
+        depth 8 at 6 plain cycles, each right after one."""
+        policy = DepthPolicy()
+        block = [(0, 0.02 * jitter), (0, 0.02 / jitter)] * 2 + [(0, 0.02), (8, 0.12)]
+        for cycle, (k, seconds) in enumerate(block * samples):
+            policy.cycles = cycle
+            policy.update(k, 4, seconds, [0] * 4, rows, head=k == 0)
+        return policy
+
+    unsure, sure = policy_after(2, 1.2), policy_after(15, 1.01)
+    assert unsure.relative_costs(4, rows, [8])[8] == pytest.approx(6.0)
+    assert unsure.relative_costs(4, rows, [8], cautious=True)[8] > 7.5
+    assert sure.relative_costs(4, rows, [8], cautious=True)[8] < 6.1
+    # Four rows, each with an 8-token draft kept at 0.95 a token (7.4 tokens expected): a cycle
+    # of about 6 plain ones pays if that is its cost (the head, at k = 0 here, makes 4 tokens a
+    # plain cycle), and not if it may cost 30% more.
+    four = [_Row(i) for i in range(4)]
+    drafts = [_draft(8, 0.95)] * 4
+    assert hybrid_plan.choose(0, four, drafts, sure, hybrid_plan.Calibration(), 8).depth == 8
+    assert hybrid_plan.choose(0, four, drafts, unsure, hybrid_plan.Calibration(), 8) == hybrid_plan.head_only(0)
 
 
 def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():

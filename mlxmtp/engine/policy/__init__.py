@@ -3,4 +3,4 @@
 `base.py` is the interface the engine calls; `adaptive.py` the policy that maximises tokens
 per second from what cycles cost (`cycle_costs.py`, measured at start-up by
 `calibration.py`) and how likely drafts are kept (`acceptance.py`), measuring other depths
-now and then (`probes.py`)."""
+now and then (`probes.py`); its knobs and the reasons it gives are in `config.py`."""

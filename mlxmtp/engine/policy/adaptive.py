@@ -5,8 +5,10 @@ draft i is kept given drafts 1..i-1 were:  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
 k* = argmax E(k) / c(k), where c(k) is the cost of a cycle of depth k (per batch size
 bucket, and apart for greedy batches and batches with a sampled row: `cost_key`);
 drafting must beat plain decoding by `margin` (a switch to or from plain decoding has
-costs of its own, and noise must never buy a slower setting) and another drafting depth
-must beat the current one by `hysteresis`. A batch's E(k) is the mean over its rows.
+costs of its own, and noise must never buy a slower setting), even with its cost raised by
+`caution` standard errors (`_doubts`: the best of noisy estimates is the one whose cost
+came out too low), and another drafting depth must beat the current one by `hysteresis`.
+A batch's E(k) is the mean over its rows.
 
 The pieces: `acceptance.Acceptance` learns a_i per class of request and per depth, and
 a request's first draft also from its own (`requests.RequestAcceptance`);
@@ -33,42 +35,24 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..limits import MAX_DRAFT_DEPTH
 from . import probes
 from .acceptance import Acceptance
 from .base import GREEDY, Policy, bucket, cost_key
+from .config import (
+    BEST,
+    CALIBRATING,
+    FIXED,
+    HOLDING,
+    LEARNING,
+    NO_ROOM,
+    PROBE,
+    UNSURE,
+    PolicyConfig,
+)
 from .cycle_costs import CycleCosts, SwitchCosts
-
-
-@dataclass
-class PolicyConfig:
-    """Every knob of the depth policy, in one place."""
-
-    explore: float = 0.01  # throughput share probes may cost, by the mean estimates
-    min_probe_every: int = 20  # cycles between probes, at the least ...
-    max_probe_every: int = 2000  # ... and at the most
-    window: int = 15  # cost ratios kept per depth pair (cycle_costs)
-    margin: float = 0.05  # drafting must beat plain decoding by this much
-    hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
-    min_samples: int = 3  # cost samples before a depth counts as measured
-    learn_drafts: int = 8  # first drafts a class (_learning), a depth (_worth_learning) and a request must try
-    settled: float = 32.0  # first drafts of a class's own (decayed) past which a request learns only what could pay
-    burst: int = 3  # cycles per calibration block / probe without a partner
-    prior_accept: float = 0.5  # acceptance assumed before any draft was tried
-    prior_weight: float = 2.0  # pseudo-counts of that prior
-    depth_weight: float = 4.0  # pseudo-counts shrinking a depth's acceptance to its class's
-    request_weight: float = 4.0  # pseudo-counts shrinking a request's first draft to its class's
-    decay: float = 0.998  # per-cycle forgetting of acceptance counts
-    calibrate: bool = True  # measure cycle costs before the first cycle of a batch bucket
-
-
-# Why a cycle got its depth (DepthPolicy.why, the engine's stats and /metrics).
-FIXED, NO_ROOM, CALIBRATING, PROBE, BEST, HOLDING, LEARNING = (
-    "fixed", "no room to draft", "calibrating", "probe", "best expected rate", "holding (switch not worth it)",
-    "learning acceptance")
 
 
 class DepthPolicy(Policy):
@@ -94,11 +78,10 @@ class DepthPolicy(Policy):
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs (engine/policy/calibration.py) before
-        this cycle: an adaptive policy with no cost measured at any batch size yet. Only
-        that first batch size is calibrated (the server's, one row, at start-up): a
-        calibration holds up every active row for the time of dozens of cycles, so a
-        batch bucket reached later learns its costs from its own cycles (calibration
-        blocks, then probes), which emit tokens all along."""
+        this cycle: an adaptive policy with no cost measured at any batch size yet. Only that
+        first batch size is calibrated (the server's, one row, at start-up): a calibration holds
+        up every active row for dozens of cycles, so a batch bucket reached later learns its
+        costs from its own cycles (calibration blocks, then probes), emitting tokens all along."""
         return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
                 and not any(c.priors or c.samples(0) >= self.cfg.min_samples for c in self.costs.values()))
 
@@ -120,11 +103,13 @@ class DepthPolicy(Policy):
         return self.accept.expected_tokens(optimistic, classes, requests)
 
     def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
-                       depths: Sequence[int]) -> Optional[Dict[int, float]]:
-        c = self._costs(cost_key(batch_size, classes)).costs([0, *depths])
+                       depths: Sequence[int], cautious: bool = False) -> Optional[Dict[int, float]]:
+        key = cost_key(batch_size, classes)
+        c = self._costs(key).costs([0, *depths])
         if not c.get(0):
             return None
-        return {k: v / c[0] for k, v in c.items() if v is not None}
+        doubt = self._doubts(key, c) if cautious else {}
+        return {k: v / c[0] * doubt.get(k, 1.0) for k, v in c.items() if v is not None}
 
     def _costs(self, key: Tuple[int, str]) -> CycleCosts:
         if key not in self.costs:
@@ -166,12 +151,17 @@ class DepthPolicy(Policy):
             if probes.fits(self._probe_plan(step), limit):
                 return self._because(PROBE, self._start_probe(step))
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
+        doubt = self._doubts(key, mean)
+        judged = {k: r / doubt.get(k, 1.0) for k, r in mean.items()}  # each cost raised by its doubt
         learn = self._learning(key, classes, requests, bound)
         if learn is not None:
             best, why = learn, LEARNING
         else:
-            best, why = self._hold(key, best, mean)
+            best, why = self._hold(key, best, judged)
         self.regime = best
+        if best > 0 and judged[best] > 0:
+            # Plain decoding could beat the regime by as much as the regime's cost is unsure.
+            bound = {**bound, 0: mean[0] * mean[best] / judged[best]}
         alt = self._due_probe(key, best, costs, mean, bound, limit)
         if alt is not None:
             return self._because(PROBE, self._start_probe(alt))
@@ -213,18 +203,30 @@ class DepthPolicy(Policy):
         r[0] *= 1 + self.cfg.margin
         return r
 
-    def _hold(self, key: Tuple[int, str], best: int, mean: Dict[int, float]):
-        """(depth, reason): stay put unless `best` is clearly better. A switch to or from
-        plain decoding has costs of its own (the head catches up on the inputs of a k = 0
-        stretch; the first plain cycle after drafting is not pipelined), and between
-        drafting depths a close call must not flip with every noisy sample."""
-        cur = self.regime
+    def _doubts(self, key: Tuple[int, str], depths) -> Dict[int, float]:
+        """Per drafting depth, exp(`caution` standard errors of its cost's ratio to plain decoding)
+        (CycleCosts.spread_from_plain); a depth no measured pair links to plain decoding, priced
+        by the line through those that are, is no surer than the least sure of them."""
+        spread = self._costs(key).spread_from_plain(self.cfg.cost_noise)
+        beyond = max(spread.values()) + self.cfg.cost_noise
+        return {k: math.exp(self.cfg.caution * spread.get(k, beyond)) for k in depths if k > 0}
+
+    def _hold(self, key: Tuple[int, str], best: int, judged: Dict[int, float]):
+        """(depth, reason): `best` (by the mean rates) unless its cautious rate (`judged`) does
+        not beat plain decoding; and stay put unless that is clearly better. A switch to or from
+        plain decoding has costs of its own (the head catches up on a k = 0 stretch's inputs;
+        the first plain cycle after drafting is not pipelined), and between drafting depths a
+        close call must not flip with every noisy sample."""
+        cur, why = self.regime, BEST
+        if best > 0 and judged[best] <= judged[0]:  # then the measured depth surest to pay, if any
+            best = max((k for k in judged if k == 0 or self._calibrated(key, k)), key=judged.get)
+            why = UNSURE if best == 0 else BEST
         if self.why == LEARNING:  # a depth chosen to learn acceptance was never chosen on merit
-            return best, BEST
-        if cur in mean and self._calibrated(key, cur) and best != cur:
-            if mean[best] < mean[cur] * (1 + (self.cfg.margin if 0 in (best, cur) else self.cfg.hysteresis)):
+            return best, why
+        if cur in judged and self._calibrated(key, cur) and best != cur:
+            if judged[best] < judged[cur] * (1 + (self.cfg.margin if 0 in (best, cur) else self.cfg.hysteresis)):
                 return cur, HOLDING
-        return best, BEST
+        return best, why
 
     def _due_probe(self, key: Tuple[int, str], best: int, costs: Dict[int, float], mean: Dict[int, float],
                    bound: Dict[int, float], limit: Optional[int]) -> Optional[int]:
@@ -238,7 +240,7 @@ class DepthPolicy(Policy):
                            self._costs(key).log_costs())
         # A depth whose acceptance is still mostly its class's (thin) is priced by what it
         # could turn out to be: only its own cycles can show it better than the class says.
-        rates = {**mean, alt: bound[alt]} if alt in self._unlearnt else mean
+        rates = {**mean, alt: bound[alt]} if alt in self._unlearnt or alt == 0 else mean
         loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, rates)
         if best == 0:
             loss += self.switch.cost(key)

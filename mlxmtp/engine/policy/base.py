@@ -73,9 +73,11 @@ class Policy:
         return None
 
     def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
-                       depths: Sequence[int]) -> Optional[Dict[int, float]]:
+                       depths: Sequence[int], cautious: bool = False) -> Optional[Dict[int, float]]:
         """The cost of a cycle of each of `depths` relative to a plain one, where known (None:
-        nothing measured); depths past those measured priced by their trend."""
+        nothing measured); depths past those measured priced by their trend. `cautious`: each
+        drafting depth's raised by the policy's doubt about it (a choice among noisy costs
+        picks one that came out low)."""
         return None
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:

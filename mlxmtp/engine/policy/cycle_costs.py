@@ -23,6 +23,8 @@ import statistics
 from collections import deque
 from typing import Callable, Deque, Dict, Hashable, Iterable, Optional, Tuple
 
+CHI2_1_MEDIAN = 0.455  # the median of a chi-square with one degree of freedom
+
 
 class CycleCosts:
     def __init__(self, window: int = 9, max_gap: int = 2):
@@ -31,6 +33,9 @@ class CycleCosts:
         self.pairs: Dict[Tuple[int, int], Deque[float]] = {}  # (j, k), j < k -> samples of log(c_k / c_j)
         self.priors: Dict[Tuple[int, int], float] = {}  # (j, k) -> log(c_k / c_j) from a calibration
         self.measured_at: Dict[int, int] = {}  # depth -> cycle of its last timed sample
+        # Squared log-ratios of neighbouring timed cycles of one depth: the machine's noise
+        # in a pair sample, seen in every steady cycle (spread_from_plain).
+        self.jitter: Deque[float] = deque(maxlen=4 * window)
         self._last: Optional[Tuple[int, float, int]] = None  # (depth, log seconds, cycle) of the last timed cycle
         self._solved: Optional[Dict[int, float]] = None
 
@@ -38,7 +43,9 @@ class CycleCosts:
         """A timed cycle of depth k (`cycle` counts every cycle, timed or not)."""
         log_s = math.log(seconds)
         last = self._last
-        if last is not None and last[0] != k and cycle - last[2] <= self.max_gap:
+        if last is not None and last[0] == k and cycle - last[2] <= self.max_gap:
+            self.jitter.append((log_s - last[1]) ** 2)
+        elif last is not None and cycle - last[2] <= self.max_gap:
             j, log_j = last[0], last[1]
             key, d = ((j, k), log_s - log_j) if j < k else ((k, j), log_j - log_s)
             self.pairs.setdefault(key, deque(maxlen=self.window)).append(d)
@@ -90,6 +97,30 @@ class CycleCosts:
                     solved[k] = sum(n * (solved[j] - d) for j, d, n in links[k]) / w
         self._solved = solved
         return solved
+
+    def spread_from_plain(self, prior_sd: float) -> Dict[int, float]:
+        """{depth: standard error of log(c_k / c_0)} for the depths linked to plain decoding.
+
+        Each pair's median of n samples is off by about sd / sqrt(n) (a prior: n = 1), sd
+        that of a pair sample: measured on neighbouring cycles of one depth, which differ by
+        the machine's noise alone (robustly: the median of their squared log-ratios over
+        that of a chi-square; `prior_sd` until there are 5). Along a chain of pairs the
+        errors add up; a depth's spread is that of its least uncertain chain to plain
+        decoding.
+
+        Choosing the best of noisy rates favours whichever cost came out too low (the
+        winner's curse): the policy drafts only where drafting pays even with its cost this
+        much higher (DepthPolicy._doubts)."""
+        var = statistics.median(self.jitter) / CHI2_1_MEDIAN if len(self.jitter) >= 5 else prior_sd**2
+        edges = {pair: var for pair in self.priors}
+        edges.update({pair: var / len(w) for pair, w in self.pairs.items()})
+        spread = {0: 0.0}
+        for _ in range(len(edges)):  # shortest chains by variance (Bellman-Ford; tiny graph)
+            for (j, k), v in edges.items():
+                for a, b in ((j, k), (k, j)):
+                    if a in spread and spread[a] + v < spread.get(b, math.inf):
+                        spread[b] = spread[a] + v
+        return {k: math.sqrt(v) for k, v in spread.items()}
 
     def costs(self, depths: Iterable[int]) -> Dict[int, Optional[float]]:
         """Relative cost of a cycle of each depth (None: not known yet)."""

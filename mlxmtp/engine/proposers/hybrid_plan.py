@@ -11,10 +11,11 @@ each token's chance: by what rows of the same acceptance class have actually kep
     rate(K) = sum over rows of max(E_h(min(k, K)), E_s(K)) / c(K),
 
 c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements,
-plain decoding = 1; `DEFAULT_SLOPE` per draft where it has none). The plan takes the K with
-the highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
-long draft may pay cut short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The
-head runs only if some row takes its drafts.
+plain decoding = 1, raised by its doubt about them for K other than k; `DEFAULT_SLOPE` per
+draft where it has none). The plan takes the K with the highest rate among k, the proposals'
+lengths and the powers of two below them (a doubtful long draft may pay cut short); a row
+takes the suffix where E_s(K) beats E_h(min(k, K)). The head runs only if some row takes its
+drafts.
 """
 
 from __future__ import annotations
@@ -178,9 +179,12 @@ def run_chance(match_len: int) -> float:
     return (match_len + 1) / (match_len + 2)
 
 
-def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int]) -> Dict[int, float]:
+def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int], k: int) -> Dict[int, float]:
+    """c(K) per depth: the head's depth k as the policy prices it (its choice already allowed for
+    the doubt), any other cautiously (`relative_costs`); DEFAULT_SLOPE where nothing is known."""
     known = policy.relative_costs(batch_size, classes, depths) or {}
-    return {K: known.get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
+    doubted = policy.relative_costs(batch_size, classes, depths, cautious=True) or {}
+    return {K: (known if K == k else doubted).get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
 
 
 def _bucket(n: int, shape_stable: bool, cap: int) -> int:
@@ -210,7 +214,7 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
     keys = [(c, streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
     f = [max(calibration.factor(key), run_chance(p.match_len)) for key, p in zip(keys, proposals)]
     depths = _depths(k, proposals, cap, shape_stable)
-    costs = _costs(policy, len(rows), classes, depths)
+    costs = _costs(policy, len(rows), classes, depths, k)
     best: Optional[tuple] = None
     for K in depths:
         h = e_head[min(k, K)]
