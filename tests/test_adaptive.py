@@ -585,17 +585,16 @@ def test_a_cost_ratio_is_as_unsure_as_the_machines_noise_and_its_chain_of_pairs(
             cycle += 1
             costs.add(k, (1.0 + 0.5 * k) * rng.lognormvariate(0, noise), cycle)
 
-    spreads = []
-    for n in range(12):  # blocks of plain decoding and k = 1 on a machine with 20% noise per cycle
+    for n in range(4):  # blocks of plain decoding and k = 1 on a machine with 20% noise per cycle
         block(n % 2, 4, 0.2)
-        if n in (3, 11):
-            spreads.append(costs.spread_from_plain(0.1))
-            samples = len(costs.pairs[(0, 1)])
-            if n == 3:  # noise between neighbouring cycles of one depth: sqrt(2) * 0.2 per pair sample
-                pair_sd = spreads[0][1] * samples**0.5
-    assert 0.18 < pair_sd < 0.4 and spreads[0][1] > prior[1]
-    assert spreads[1][1] < spreads[0][1] * 0.7  # 11 samples against 3
-    assert spreads[1][2] > spreads[1][1]  # k = 2 still priced by its prior against k = 1
+    early, samples = costs.spread_from_plain(0.1), len(costs.pairs[(0, 1)])
+    # Neighbouring cycles of one depth show the noise of a pair sample: sqrt(2) * 0.2.
+    assert samples == 3 and 0.18 < early[1] * samples**0.5 < 0.4 and early[1] > prior[1]
+    for n in range(4, 12):
+        block(n % 2, 4, 0.2)
+    late = costs.spread_from_plain(0.1)
+    assert len(costs.pairs[(0, 1)]) == 11 and late[1] < early[1] * 0.7
+    assert late[2] > late[1]  # k = 2 still priced by its prior against k = 1
 
 
 @pytest.mark.parametrize("seed", [6, 8, 14])
