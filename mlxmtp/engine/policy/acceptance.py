@@ -25,6 +25,14 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from .requests import RequestAcceptance
 
 
+def shrunk(kept: float, tried: float, toward: float, weight: float, optimistic: bool = False) -> float:
+    """kept / tried shrunk towards `toward` by `weight` pseudo-counts; `optimistic` adds one
+    standard error (what it could still turn out to be, given how little was tried)."""
+    n = tried + weight
+    a = (kept + toward * weight) / n
+    return min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a
+
+
 class Acceptance:
     def __init__(self, max_depth: int, prior_accept: float, prior_weight: float,
                  depth_weight: float, decay: float, request_weight: float = 4.0):
@@ -38,7 +46,8 @@ class Acceptance:
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
         self._first_tried: Counter = Counter()  # per class, every first draft tried
-        self.requests = RequestAcceptance(request_weight)  # each request's own first drafts
+        self.request_weight = request_weight  # pseudo-counts shrinking a request's first position to its class's
+        self.requests = RequestAcceptance()  # each request's own first drafts
 
     def estimate(self, cls: Hashable, k: int, optimistic: bool = False, request: Hashable = None) -> List[float]:
         """Estimated acceptance of positions 1..k in cycles of depth k for rows of class
@@ -47,14 +56,14 @@ class Acceptance:
         given how little it has been tried)."""
         in_cls = self._class_level(cls)
         kept, tried = self._counts((cls, k))
+        own = self.requests.first_drafts(request)
         out = []
         for i in range(1, k + 1):
-            n = tried[i] + self.depth_weight
-            a = (kept[i] + in_cls[i] * self.depth_weight) / n
-            value = self.requests.first(request, a, optimistic) if i == 1 else None  # the request's own
-            if value is None:
-                value = min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a
-            out.append(value)
+            if i == 1 and own is not None:  # the request's own, shrunk to its class's at this depth
+                at_depth = shrunk(kept[1], tried[1], in_cls[1], self.depth_weight)
+                out.append(shrunk(*own, at_depth, self.request_weight, optimistic))
+            else:
+                out.append(shrunk(kept[i], tried[i], in_cls[i], self.depth_weight, optimistic))
         return out
 
     def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,),
@@ -134,7 +143,7 @@ class Acceptance:
             cls_kept, cls_tried = self._sums([key for key in self.kept if key[0] == cls])
             out, prior, w = [0.0], self.prior_accept, self.prior_weight
             for i in range(1, self.max_depth + 1):
-                prior = (all_kept[i] + prior * w) / (all_tried[i] + w)
-                out.append((cls_kept[i] + prior * w) / (cls_tried[i] + w))
+                prior = shrunk(all_kept[i], all_tried[i], prior, w)
+                out.append(shrunk(cls_kept[i], cls_tried[i], prior, w))
             self._memo[cls] = out
         return self._memo[cls]

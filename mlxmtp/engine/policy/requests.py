@@ -5,22 +5,21 @@ demo's six held-out prompts at T = 0.6 (BENCHMARKS.md, depth policy). A class's 
 is a history of earlier requests, so a request on which drafting did not pay could keep
 the next ones plain, where only rare probes would tell (no count changes in a plain
 cycle). So a request's first position is estimated from its own first drafts shrunk to
-its class's estimate by `weight` pseudo-counts (deeper positions keep their class's
-acceptance given the one before): a request that has drafted nothing yet could turn out a
-standard error of `weight` drafts better than its class, and the policy lets it try
-`drafts` first drafts of its own where that could pay (adaptive.DepthPolicy._learning).
+its class's estimate by `Acceptance.request_weight` pseudo-counts (deeper positions keep
+their class's acceptance given the one before): a request that has drafted nothing yet
+could turn out a standard error of that many drafts better than its class, and the policy
+lets it try `drafts` first drafts of its own where that could pay
+(adaptive.DepthPolicy._learning).
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from typing import Hashable, List, Optional, Sequence
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 
 class RequestAcceptance:
-    def __init__(self, weight: float, keep: int = 4096):
-        self.weight = weight  # pseudo-counts shrinking a request's first position to its class's
+    def __init__(self, keep: int = 4096):
         self.keep = keep  # requests remembered, the latest (those in a batch are among them)
         # Per request: [first drafts kept, first drafts tried, first drafts still its own to try].
         self._own: OrderedDict[Hashable, List[float]] = OrderedDict()
@@ -45,12 +44,8 @@ class RequestAcceptance:
         """Whether a row of these requests has first drafts of its own still to try."""
         return any(self._own[r][2] > 0 for r in requests if r in self._own)
 
-    def first(self, request: Hashable, in_class: float, optimistic: bool) -> Optional[float]:
-        """The request's estimate of its first position, from its class's (`in_class`);
-        None for a request never started here (or None)."""
+    def first_drafts(self, request: Hashable) -> Optional[Tuple[float, float]]:
+        """(first drafts kept, first drafts tried) by the request; None for a request never
+        started here (or None)."""
         own = self._own.get(request)
-        if own is None:
-            return None
-        n = own[1] + self.weight
-        a = (own[0] + in_class * self.weight) / n
-        return min(1.0, a + math.sqrt(a * (1 - a) / n)) if optimistic else a
+        return None if own is None else (own[0], own[1])
