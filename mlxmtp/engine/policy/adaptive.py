@@ -159,9 +159,8 @@ class DepthPolicy(Policy):
         else:
             best, why = self._hold(key, best, judged)
         self.regime = best
-        if best > 0 and judged[best] > 0:
-            # Plain decoding could beat the regime by as much as the regime's cost is unsure.
-            bound = {**bound, 0: mean[0] * mean[best] / judged[best]}
+        if best > 0:  # plain decoding could beat the regime by as much as the regime's cost is unsure
+            bound = {**bound, 0: mean[0] * doubt[best]}
         alt = self._due_probe(key, best, costs, mean, bound, limit)
         if alt is not None:
             return self._because(PROBE, self._start_probe(alt))

@@ -114,12 +114,13 @@ class CycleCosts:
         var = statistics.median(self.jitter) / CHI2_1_MEDIAN if len(self.jitter) >= 5 else prior_sd**2
         edges = {pair: var for pair in self.priors}
         edges.update({pair: var / len(w) for pair, w in self.pairs.items()})
-        spread = {0: 0.0}
-        for _ in range(len(edges)):  # shortest chains by variance (Bellman-Ford; tiny graph)
+        spread, changed = {0: 0.0}, True
+        while changed:  # shortest chains by variance (Bellman-Ford, until a pass changes nothing)
+            changed = False
             for (j, k), v in edges.items():
                 for a, b in ((j, k), (k, j)):
                     if a in spread and spread[a] + v < spread.get(b, math.inf):
-                        spread[b] = spread[a] + v
+                        spread[b], changed = spread[a] + v, True
         return {k: math.sqrt(v) for k, v in spread.items()}
 
     def costs(self, depths: Iterable[int]) -> Dict[int, Optional[float]]:
