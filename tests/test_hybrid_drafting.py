@@ -298,6 +298,34 @@ def test_suffix_depths_are_priced_with_the_policys_doubt_about_their_cost():
     assert hybrid_plan.choose(0, four, drafts, unsure, hybrid_plan.Calibration(), 8) == hybrid_plan.head_only(0)
 
 
+def test_a_suffix_depth_past_those_measured_is_tried_then_priced_as_measured():
+    """A start-up calibration of depths 1-4 on a noisy machine can come out steep (here 0.47
+    plain cycles a draft): its line would price a 32-token verify at 16 plain cycles, with
+    the doubt at 20, and a sure 32-token copy would never beat the head's k = 2, so never be
+    measured (a cold `mlxmtp generate` that copied at 2 tokens a cycle). A depth past the
+    deepest measured one is priced at that one's cost until it is measured once; then as
+    measured, cheap or dear."""
+    plain, row = 0.017, [_Row(1)]
+    copying = Draft(list(range(32)), [1.0] * 32, 32)
+
+    def calibrated():
+        policy = DepthPolicy()
+        policy.seed_costs(1, {k: plain * (1 + 0.47 * k) for k in range(5)})
+        return policy
+
+    def after_a_verify_of_32(policy, cost):
+        for cycle, (k, seconds) in enumerate([(2, plain * 1.94), (32, plain * cost)]):
+            policy.cycles = cycle
+            policy.update(k, 1, seconds, [0], [GREEDY], head=False)
+        return policy
+
+    assert calibrated().relative_costs(1, [GREEDY], [32])[32] > 15
+    assert hybrid_plan.choose(2, row, [copying], calibrated(), hybrid_plan.Calibration(), 32).depth == 32
+    cheap, dear = after_a_verify_of_32(calibrated(), 3.0), after_a_verify_of_32(calibrated(), 40.0)
+    assert hybrid_plan.choose(2, row, [copying], cheap, hybrid_plan.Calibration(), 32).depth == 32
+    assert hybrid_plan.choose(2, row, [copying], dear, hybrid_plan.Calibration(), 32).depth == 2
+
+
 def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
     reach, row = hybrid_plan.Reach(), _Row(1)
     plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: (GREEDY, False)})

@@ -77,7 +77,9 @@ class Policy:
         """The cost of a cycle of each of `depths` relative to a plain one, where known (None:
         nothing measured); depths past those measured priced by their trend. `cautious`: each
         drafting depth's raised by the policy's doubt about it (a choice among noisy costs
-        picks one that came out low)."""
+        picks one that came out low), except that a depth beyond the deepest one measured
+        costs what that one does (the least it can cost): a trend from a few short depths,
+        noisy, can price a long verify out of ever being tried, and so measured."""
         return None
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
