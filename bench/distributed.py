@@ -1,5 +1,6 @@
-"""1 rank against 2 ranks (`mlx.launch --backend ring -n 2`), MTP off and on: decode tokens/s
-and what each cycle spends communicating.
+"""1 rank against 2 ranks (`mlx.launch --backend ring -n 2`), MTP off, on, and on with suffix
+drafts beside the head (serve's default): decode tokens/s and what each cycle spends
+communicating.
 
 Each setting decodes the same prompts (greedy, one request at a time; the first request
 of each setting warms up and is not counted). Communication per cycle has two parts:
@@ -32,7 +33,9 @@ from mlxmtp.engine.config import EngineConfig
 from mlxmtp.models.demo import demo_model_path
 from mlxmtp.models.demo_prompts import HELD_OUT_PROMPTS
 
-SETTINGS = {"MTP off": EngineConfig(enable_mtp=False), "MTP adaptive": EngineConfig(enable_mtp=True)}
+SETTINGS = {"MTP off": EngineConfig(enable_mtp=False), "MTP adaptive": EngineConfig(enable_mtp=True),
+            "adaptive, suffix": EngineConfig(enable_mtp=True, suffix_drafts=True)}
+TRANSFER_WIDTHS = (1, 2, 3, 4, 5, 9, 17, 33)  # tokens per hand-over timed: plain, the head's depths, suffix ones
 
 
 def decode(engine_for, tok, prompts, max_tokens):
@@ -99,7 +102,7 @@ def worker(args):
                          control_bytes=sum(e.channel.bytes_sent for e in counted) / max(cycles, 1))
     hidden = model.parts.args.hidden_size
     dtype = model.parts.embed_tokens.weight.dtype
-    transfers = {T: transfer_ms(group, hidden, T, dtype) for T in (1, 2, 4, 5)}
+    transfers = {T: transfer_ms(group, hidden, T, dtype) for T in TRANSFER_WIDTHS}
     if group.rank() == 0:
         print(json.dumps({"two_ranks": out, "transfer_ms": transfers, "hidden": hidden,
                           "itemsize": dtype.size}), flush=True)
@@ -155,7 +158,9 @@ def report(one, two, markdown):
     for name in SETTINGS:
         a, b = one[name], two["two_ranks"][name]
         per_cycle = b["tokens"] / max(b["cycles"], 1)
-        T = 1 if name == "MTP off" else min(5, max(2, round(per_cycle + 0.5)))
+        # The narrowest measured hand-over that holds a cycle's typical tokens (a verify of k + 1).
+        T = 1 if name == "MTP off" else min((t for t in TRANSFER_WIDTHS if t >= round(per_cycle + 0.5)),
+                                            default=TRANSFER_WIDTHS[-1])
         rows.append((name, f"{a['rate']:.1f}", f"{b['rate']:.1f}", f"{b['rate'] / a['rate']:.2f}x",
                      f"{per_cycle:.2f}", f"{b['control_ms']:.2f}", f"{b['control_bytes']:.0f}",
                      f"{two['transfer_ms'][str(T)]:.2f} (T={T})"))

@@ -2,8 +2,9 @@
 its share of MODEL and runs the distributed engine; rank 0 prints one JSON object.
 
   greedy: for each of DEPTHS (k = 0..4 and adaptive), batch 1 and 4: the tokens of PROMPTS;
-          with JOBS (a JSON list of {model, prompts, max_tokens, depths[, batches]}), each job in turn
-          on the ranks of one launch
+          with JOBS (a JSON list of {model, prompts, max_tokens, depths[, batches, suffix]}), each
+          job in turn on the ranks of one launch; `suffix`: suffix drafts beside the head, and
+          the tokens they drafted that were kept
   sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
   disagree: as greedy, but rank 1 pretends to have decoded something else (a machine whose
             logits differ): the run must stop, not go on
@@ -25,9 +26,10 @@ from mlxmtp.engine.sampling.params import SamplingParams
 SAMPLED = EngineConfig(num_draft=2, max_batch=64, prefix_cache_bytes=64 << 20)
 
 
-def run(engine, batches):
+def run(engine, batches, kept_by=None):
     """Rank 0: the tokens of every request, batch after batch (each submitted at once when
-    the one before has finished); other ranks: None. The engine is closed at the end."""
+    the one before has finished), adding to `kept_by` each drafter's kept drafts; other
+    ranks: None. The engine is closed at the end."""
     if not engine.leader:
         engine.follow()
         return None
@@ -43,20 +45,23 @@ def run(engine, batches):
                 if ev.finish_reason is not None:
                     assert ev.finish_reason != "error", ev.error
                     done.add(ev.request_id)
+                    for source, n in ev.stats.as_dict().get("by_source", {}).items() if kept_by is not None else ():
+                        kept_by[source] = kept_by.get(source, 0) + n["accepted"]
         out += [tokens[r.id] for r in requests]
     engine.close()
     return out
 
 
-def greedy(group, model, tok, prompts, max_tokens, depths, batches=(1, 4)):
-    out = {}
+def greedy(group, model, tok, prompts, max_tokens, depths, batches=(1, 4), suffix=False):
+    out, kept_by = {}, {}
     for k in depths:
         for batch in batches:
-            engine = DistributedEngine(model, tok, EngineConfig(num_draft=k), group=group, dist_timeout=120)
+            config = EngineConfig(num_draft=k, suffix_drafts=suffix)
+            engine = DistributedEngine(model, tok, config, group=group, dist_timeout=120)
             requests = [Request(prompt=p, max_tokens=max_tokens) for p in prompts]
             groups = [requests[i : i + batch] for i in range(0, len(requests), batch)]
-            out[f"k={'adaptive' if k is None else k}/B={batch}"] = run(engine, groups)
-    return out
+            out[f"k={'adaptive' if k is None else k}/B={batch}"] = run(engine, groups, kept_by)
+    return {"tokens": out, "kept_by": kept_by}
 
 
 def sample(group, model, tok, n, seed0, temperature):
@@ -96,7 +101,7 @@ def main():
         if a.job in ("greedy", "disagree"):
             depths = [None if d == "adaptive" else int(d) for d in job["depths"].split(",")]
             results.append(greedy(group, model, tok, job["prompts"], job["max_tokens"], depths,
-                                  job.get("batches", (1, 4))))
+                                  job.get("batches", (1, 4)), job.get("suffix", False)))
         else:
             results.append(sample(group, model, tok, a.n, a.seed0, a.temperature))
     if group.rank() == 0:

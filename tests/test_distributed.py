@@ -112,6 +112,20 @@ def test_channel_and_shared_policy_on_a_group_of_one():
     shared = SharedPolicy(Scripted(), channel)
     assert shared.choose(1) == 3 and shared.needs_costs(1) and not shared.plain_regime()
     assert shared.why == "scripted" and shared.max_depth == 4
+    # What a cycle's suffix drafts are planned by (hybrid_plan) is rank 0's too, "none" included.
+    assert channel.share_floats([0.5, float("nan")], 2)[0] == 0.5
+    assert shared.expected_tokens() is None and shared.relative_costs(1, None, [2, 8]) is None
+
+    class Estimating(Scripted):
+        def expected_tokens(self, optimistic=False, classes=(None,)):
+            return [1.0, 1.75, 2.25, 2.5, 2.6]
+
+        def relative_costs(self, batch_size, classes, depths, cautious=False):
+            return {k: 1 + (0.3 if cautious else 0.2) * k for k in depths if k < 8}
+
+    shared = SharedPolicy(Estimating(), channel)
+    assert shared.expected_tokens() == pytest.approx([1.0, 1.75, 2.25, 2.5, 2.6])
+    assert shared.relative_costs(1, None, [2, 8], cautious=True) == {2: pytest.approx(1.6)}
 
 
 def test_start_up_check_compares_folders_and_settings(tmp_path):
@@ -135,19 +149,26 @@ def test_two_ranks_greedy_equals_mlx_lm(fixture_model):
     rejected (the rollback of 1 and of 4 drafts, plain decoding and the adaptive policy's
     choice, at batch 1 and 4; the MoE at its deepest, batch 4), and the trained demo model,
     whose head adds the cycles that keep drafts (at depths 1 and 3 and the adaptive policy's,
-    batch 4). Every depth and batch in one process: tests/test_engine_exact.py."""
+    batch 4, with suffix drafts beside the head: one prompt is the demo asked again, which it
+    re-writes). Every depth and batch in one process: tests/test_engine_exact.py."""
     jobs = [dict(model=str(fixture_model("qwen3_next")["hf"]), prompts=PROMPTS[:3], max_tokens=10,
                  depths="0,1,4,adaptive"),
             dict(model=str(fixture_model("qwen3_6_moe")["hf"]), prompts=PROMPTS[:3], max_tokens=10,
                  depths="4", batches=[4])]
-    jobs.append(dict(model=DEMO, prompts=PROMPTS, max_tokens=16, depths="1,3,adaptive", batches=[4]))
+    _, tok, demo = loaded(DEMO)
+    code = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    asked_again = code + reference_greedy(demo, code, 24) + code
+    jobs.append(dict(model=DEMO, prompts=PROMPTS[:3] + [asked_again], max_tokens=16, depths="1,3,adaptive",
+                     batches=[4], suffix=True))
     got = run_worker("greedy", "--jobs", json.dumps(jobs))
     for job, result in zip(jobs, got["result"], strict=True):
         _, _, ref = loaded(job["model"])
         want = [reference_greedy(ref, p, job["max_tokens"]) for p in job["prompts"]]
-        assert len(result) == len(job.get("batches", (1, 4))) * len(job["depths"].split(","))
-        for setting, tokens in result.items():
+        assert len(result["tokens"]) == len(job.get("batches", (1, 4))) * len(job["depths"].split(","))
+        for setting, tokens in result["tokens"].items():
             assert tokens == want, (job["model"], setting)
+    # The demo asked again re-writes its answer: the ranks drafted it from the suffix, planned alike.
+    assert got["result"][-1]["kept_by"].get("suffix", 0) > 0
 
 
 @pytest.mark.slow

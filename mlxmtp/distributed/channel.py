@@ -69,6 +69,15 @@ class Channel:
         self.messages += 1
         return [int(v) for v in self._sum(buf)]
 
+    def share_floats(self, values: Optional[List[float]], n: int) -> List[float]:
+        """Rank 0's `n` floats (NaN passes) on every rank, rank 0 included, in one small
+        collective; float32 (MLX's), so every rank gets exactly the same numbers."""
+        buf = np.zeros(n, np.float32)
+        if self.leader:
+            buf[:] = values
+        self.messages += 1
+        return [float(v) for v in self._sum(buf)]
+
     def gather_bytes(self, data: bytes, n: int) -> List[bytes]:
         """Every rank's `n` bytes, in rank order, on every rank (start-up checks)."""
         out = mx.distributed.all_gather(mx.array(np.frombuffer(data[:n].ljust(n, b"\0"), np.uint8)),

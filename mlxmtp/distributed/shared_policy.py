@@ -3,7 +3,8 @@
 The policy times cycles and calibrates costs, and no two machines read the same clock,
 so left alone each rank would choose its own depth and the ranks' forwards would no
 longer match. Here every answer that steers the engine (the depth, whether plain
-decoding is the regime, whether to calibrate) is rank 0's policy's, shared in one small
+decoding is the regime, whether to calibrate, and the estimates a cycle's suffix drafts
+are planned by: proposers/hybrid_plan.py) is rank 0's policy's, shared in one small
 collective at the point where every rank asks it; the other ranks' own policies are
 only told what happened. A policy's `needs_costs` stays no for a batch size once it said
 no (adaptive.DepthPolicy: calibrated costs are kept), so that answer is shared once.
@@ -11,6 +12,7 @@ no (adaptive.DepthPolicy: calibrated costs are kept), so that answer is shared o
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 from ..engine.policy.base import GREEDY, Policy
@@ -50,6 +52,25 @@ class SharedPolicy(Policy):
         self.check(digest)
         self._plain, self.quiet = bool(plain), not news
         return k
+
+    def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> Optional[List[float]]:
+        depths = range(self.max_depth + 1)
+        e = self.inner.expected_tokens(optimistic, classes) if self.channel.leader else None
+        shared = self._estimates(None if e is None else dict(enumerate(e)), depths)
+        return None if shared is None else [shared[k] for k in depths]
+
+    def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
+                       depths: Sequence[int], cautious: bool = False) -> Optional[Dict[int, float]]:
+        return self._estimates(self.inner.relative_costs(batch_size, classes, depths, cautious)
+                               if self.channel.leader else None, depths)
+
+    def _estimates(self, mine: Optional[Dict[int, float]], keys: Sequence[int]) -> Optional[Dict[int, float]]:
+        """Rank 0's estimate per key (None: it has none; a key it lacks is left out)."""
+        values = None
+        if self.channel.leader:
+            values = [0.0] + [math.nan] * len(keys) if mine is None else [1.0, *(mine.get(k, math.nan) for k in keys)]
+        known, *values = self.channel.share_floats(values, 1 + len(keys))
+        return {k: v for k, v in zip(keys, values) if not math.isnan(v)} if known else None
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,

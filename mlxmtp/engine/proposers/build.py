@@ -16,8 +16,9 @@ from .suffix import SuffixProposer, json_view
 def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     """The engine's drafter, built once, by `engine.config.draft_source`: "suffix", the
     model-free suffix drafter (any model); "mtp", the MTP head; None: plain decoding only
-    (no MTP head, or MTP off); with `suffix_drafts`, in a process alone, the head and the
-    suffix drafter together (hybrid.py). The head's proposer asks `engine.policy` (the one
+    (no MTP head, or MTP off); with `suffix_drafts`, the head and the suffix drafter
+    together (hybrid.py; on the ranks of a distributed run too: every rank's index holds
+    the same tokens, and rank 0's estimates plan the cycle, distributed/shared_policy.py). The head's proposer asks `engine.policy` (the one
     in use: tests replace it) whether the engine decodes plainly now, through a weak
     reference: a drafter that held its engine would keep the engine, and every cache it
     holds, alive after its last use until a garbage collection."""
@@ -32,6 +33,6 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
         return None
     ref = weakref.ref(engine)
     head = MTPProposer(pieces, lambda: ref().policy.plain_regime())
-    if not engine.config.suffix_drafts or engine.coordinator.lockstep:
+    if not engine.config.suffix_drafts:
         return head
     return HybridProposer(head, suffix(), MAX_SUFFIX_DEPTH, lambda: ref().shape_stable)
