@@ -5,7 +5,9 @@ its share of MODEL and runs the distributed engine; rank 0 prints one JSON objec
           with JOBS (a JSON list of {model, prompts, max_tokens, depths[, batches, suffix]}), each
           job in turn on the ranks of one launch; `suffix`: suffix drafts beside the head, and
           the tokens they drafted that were kept
-  sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens
+  sample:  N sampled requests of 3 tokens (k=2), seeds from SEED0: each request's tokens; with
+           AGAIN (a prompt), 4 more of it sampled with suffix drafts beside the head (adaptive)
+           and the drafts each drafter had kept
   disagree: as greedy, but rank 1 pretends to have decoded something else (a machine whose
             logits differ): the run must stop, not go on
 """
@@ -64,11 +66,20 @@ def greedy(group, model, tok, prompts, max_tokens, depths, batches=(1, 4), suffi
     return {"tokens": out, "kept_by": kept_by}
 
 
-def sample(group, model, tok, n, seed0, temperature):
+def sample(group, model, tok, n, seed0, temperature, again=None):
     engine = DistributedEngine(model, tok, SAMPLED, group=group, dist_timeout=120)
     prompt = [5, 17, 42, 9, 33, 2]
-    return run(engine, [[Request(prompt=prompt, max_tokens=3, params=SamplingParams(temperature=temperature, seed=s))
-                         for s in range(seed0, seed0 + n)]])
+    out = {"tokens": run(engine, [[Request(prompt=prompt, max_tokens=3,
+                                           params=SamplingParams(temperature=temperature, seed=s))
+                                   for s in range(seed0, seed0 + n)]])}
+    if again:
+        kept_by = {}
+        engine = DistributedEngine(model, tok, EngineConfig(max_batch=4, suffix_drafts=True), group=group,
+                                   dist_timeout=120)
+        run(engine, [[Request(prompt=again, max_tokens=32, params=SamplingParams(temperature=temperature, seed=s))
+                      for s in range(4)]], kept_by)
+        out["kept_by"] = kept_by
+    return out
 
 
 def main():
@@ -82,6 +93,7 @@ def main():
     ap.add_argument("--n", type=int, default=0)
     ap.add_argument("--seed0", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.5)
+    ap.add_argument("--again", default="[]")
     a = ap.parse_args()
     group = launched_group()
     if a.job == "disagree" and group.rank() == 1:
@@ -103,7 +115,7 @@ def main():
             results.append(greedy(group, model, tok, job["prompts"], job["max_tokens"], depths,
                                   job.get("batches", (1, 4)), job.get("suffix", False)))
         else:
-            results.append(sample(group, model, tok, a.n, a.seed0, a.temperature))
+            results.append(sample(group, model, tok, a.n, a.seed0, a.temperature, json.loads(a.again)))
     if group.rank() == 0:
         result = results if a.jobs != "[]" else results[0]
         print(json.dumps({"result": result, "layers": layers if a.jobs != "[]" else layers[0]}), flush=True)

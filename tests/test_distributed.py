@@ -21,6 +21,7 @@ from mlxmtp.distributed.group import check_same_setup, folder_fingerprint
 from mlxmtp.distributed.shared_policy import SharedPolicy
 from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_seed
 from mlxmtp.engine.config import EngineConfig
+from mlxmtp.engine.generate import generate
 from mlxmtp.engine.policy.base import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
@@ -185,7 +186,8 @@ def test_two_ranks_sample_the_tokens_one_process_samples():
     """MTP sampling on 2 ranks draws exactly what one process draws from the same seeds (the
     same depth and batch): the ranks agree on every draw, so the distribution is the one
     process's, which tests/test_sampling_exact.py proves is the target's. Exact equality is
-    a stronger check than a chi-square of the two and needs a tenth of the samples."""
+    a stronger check than a chi-square of the two and needs a tenth of the samples. Then the
+    same with suffix drafts beside the head, on the ranks alone (their plans follow timings)."""
     from mlxmtp.engine.batch import BatchGenerator
     from mlxmtp.models.load import load
 
@@ -199,10 +201,16 @@ def test_two_ranks_sample_the_tokens_one_process_samples():
     while engine.has_work:
         for ev in engine.step():
             want.setdefault(ev.request_id, []).extend(ev.token_ids)
-    got = run_worker("sample", "--model", DEMO, "--n", str(n), "--seed0", "0",
-                     "--temperature", str(temperature))["result"]
-    assert got == list(want.values())
-    assert len({tuple(t) for t in got}) > n // 4  # sampled, not one greedy answer
+    code = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    again = code + generate(model, tok, code, max_tokens=24, config=EngineConfig(enable_mtp=False)).token_ids + code
+    res = run_worker("sample", "--model", DEMO, "--n", str(n), "--seed0", "0",
+                     "--temperature", str(temperature), "--again", json.dumps(again))["result"]
+    assert res["tokens"] == list(want.values())
+    assert len({tuple(t) for t in res["tokens"]}) > n // 4  # sampled, not one greedy answer
+    # Sampled rows with suffix drafts beside the head (the demo asked again re-writes its
+    # answer): every rank drew the same tokens (a rank that did not stops the run), the suffix's
+    # drafts kept among them.
+    assert res["kept_by"].get("suffix", 0) > 0
 
 
 @pytest.mark.slow

@@ -129,3 +129,21 @@ def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
     assert proposer.states[1].drafter.output() == said  # the view is never output to share
     alone = SuffixProposer(len(tok)).proposal(row, 32)
     assert alone.tokens[: len(rest)] != rest
+
+
+def test_a_loop_is_drafted_on_past_the_end_of_the_text():
+    """Text repeating itself every 3 tokens: the longest match is the previous period, whose
+    continuation stops where the text ends (3 tokens); the draft goes on around the loop, as
+    far as the match reaches. Text that only ends where a match's continuation does, without
+    having repeated, is drafted as far as it goes."""
+    from types import SimpleNamespace
+
+    def proposal(tokens, max_len):
+        row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=tokens[:2]), tokens=tokens)
+        return SuffixProposer(vocab_size=300).proposal(row, max_len)
+
+    looping = [1, 2] + [5, 6, 7] * 8
+    assert proposal(looping, 16).tokens == [5, 6, 7] * 5 + [5]
+    assert proposal(looping, 32).tokens == ([5, 6, 7] * 8)[:21]  # the match: 21 tokens
+    once = [1, 2, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # "5 6 7" came once before: no loop yet
+    assert proposal(once, 16).tokens == [8, 9, 5, 6]  # as long as its 4-token match

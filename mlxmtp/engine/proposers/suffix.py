@@ -2,9 +2,10 @@
 
 Each row's drafts are what its prompt, its output so far and the engine's recent outputs
 say follows its last tokens (suffix_index.SuffixDrafter: the longest match of the output's
-suffix, its most frequent continuation). A row with no match, or a shorter one than the
-cycle's depth, is padded by repeating its last token: every draft is verified, so padding
-costs acceptance only, never the text.
+suffix, its most frequent continuation; around a loop, on past the text's end:
+`around_the_loop`). A row with no match, or a shorter one than the cycle's depth, is padded
+by repeating its last token: every draft is verified, so padding costs acceptance only,
+never the text.
 
 Model-free, so q is a point mass on each draft (base.point_mass; why rejection sampling
 stays exact with it is in base.py), built only when a row samples. The drafts need the
@@ -51,6 +52,21 @@ def json_view(tokenizer, prompt: List[int]) -> List[int]:
     return list(tokenizer.encode(json.dumps(text, ensure_ascii=False)[1:-1], add_special_tokens=False))
 
 
+def around_the_loop(draft: Draft, tokens: List[int], max_len: int) -> Draft:
+    """`draft` carried on around a loop. In text that repeats itself every P tokens (a line
+    written again and again, a model's loop) the longest match is the previous period, whose
+    continuation ends where the text does: P tokens, the text's last P again. Where the
+    draft is exactly those and they came twice before it, the draft goes on repeating them,
+    up to max_len and the match's length (the index's own bound), each at the last one's
+    chance. Verified like any draft: a loop that breaks costs acceptance only."""
+    P, limit = len(draft.tokens), min(max_len, draft.match_len)
+    if not 0 < P < limit or len(tokens) < 2 * P or draft.tokens != tokens[-P:] or tokens[-2 * P:-P] != tokens[-P:]:
+        return draft
+    more = limit - P
+    return Draft(draft.tokens + [draft.tokens[i % P] for i in range(more)], draft.probs + [draft.probs[-1]] * more,
+                 draft.match_len)
+
+
 def padded(draft: List[int], row, k: int) -> List[int]:
     """`draft` made k tokens long by repeating its last token (the row's last one if it has
     none): every draft is verified, so padding costs acceptance only, never the text."""
@@ -81,7 +97,8 @@ class SuffixProposer(Proposer):
     def proposal(self, row, max_len: int) -> Draft:
         """What the row's tokens so far say comes next (at most max_len tokens, with the
         estimated chance that each prefix is kept: suffix_index.Draft)."""
-        return self._sync(row).drafter.propose(max_len=max_len)
+        draft = self._sync(row).drafter.propose(max_len=max_len)
+        return around_the_loop(draft, list(row.tokens[-2 * len(draft.tokens):]), max_len) if draft.tokens else draft
 
     def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
         out = []
