@@ -47,8 +47,9 @@ def run(engine, batches, kept_by=None):
                 if ev.finish_reason is not None:
                     assert ev.finish_reason != "error", ev.error
                     done.add(ev.request_id)
-                    for source, n in ev.stats.as_dict().get("by_source", {}).items() if kept_by is not None else ():
-                        kept_by[source] = kept_by.get(source, 0) + n["accepted"]
+                    if kept_by is not None:
+                        for source, n in ev.stats.as_dict().get("by_source", {}).items():
+                            kept_by[source] = kept_by.get(source, 0) + n["accepted"]
         out += [tokens[r.id] for r in requests]
     engine.close()
     return out

@@ -18,7 +18,8 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     model-free suffix drafter (any model); "mtp", the MTP head; None: plain decoding only
     (no MTP head, or MTP off); with `suffix_drafts`, the head and the suffix drafter
     together (hybrid.py; on the ranks of a distributed run too: every rank's index holds
-    the same tokens, and rank 0's estimates plan the cycle, distributed/shared_policy.py). The head's proposer asks `engine.policy` (the one
+    the same tokens, and rank 0's estimates plan the cycle, distributed/shared_policy.py).
+    The head's proposer asks `engine.policy` (the one
     in use: tests replace it) whether the engine decodes plainly now, through a weak
     reference: a drafter that held its engine would keep the engine, and every cache it
     holds, alive after its last use until a garbage collection."""
