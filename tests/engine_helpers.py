@@ -44,6 +44,13 @@ def reference_greedy(ref_model, prompt, n):
     return list(_REFERENCE_OUTPUTS[key][1])
 
 
+def asked_again(tok, ref_model, n):
+    """The demo asked again: a code prompt, the model's own greedy answer (n tokens) and the
+    prompt once more, text the model mostly re-writes (what suffix drafts are for)."""
+    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
+    return prompt + reference_greedy(ref_model, prompt, n) + prompt
+
+
 def prompt_of(length: int, seed: int = 0, vocab: int = 290):
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(length)]

@@ -13,7 +13,7 @@ import shutil
 import pytest
 from dist_helpers import BIN, WORKER, last_json, mlx_launch, run_worker
 from distributed_worker import SAMPLED
-from engine_helpers import hub_from_folder, loaded, prompt_of, reference_greedy
+from engine_helpers import asked_again, hub_from_folder, loaded, prompt_of, reference_greedy
 
 from mlxmtp.checkpoint.split_plan import layer_split, make_plan
 from mlxmtp.distributed.channel import Channel
@@ -21,7 +21,6 @@ from mlxmtp.distributed.group import check_same_setup, folder_fingerprint
 from mlxmtp.distributed.shared_policy import SharedPolicy
 from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_seed
 from mlxmtp.engine.config import EngineConfig
-from mlxmtp.engine.generate import generate
 from mlxmtp.engine.policy.base import Policy
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
@@ -157,10 +156,8 @@ def test_two_ranks_greedy_equals_mlx_lm(fixture_model):
             dict(model=str(fixture_model("qwen3_6_moe")["hf"]), prompts=PROMPTS[:3], max_tokens=10,
                  depths="4", batches=[4])]
     _, tok, demo = loaded(DEMO)
-    code = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
-    asked_again = code + reference_greedy(demo, code, 24) + code
-    jobs.append(dict(model=DEMO, prompts=PROMPTS[:3] + [asked_again], max_tokens=16, depths="1,3,adaptive",
-                     batches=[4], suffix=True))
+    jobs.append(dict(model=DEMO, prompts=PROMPTS[:3] + [asked_again(tok, demo, 24)], max_tokens=16,
+                     depths="1,3,adaptive", batches=[4], suffix=True))
     got = run_worker("greedy", "--jobs", json.dumps(jobs))
     for job, result in zip(jobs, got["result"], strict=True):
         _, _, ref = loaded(job["model"])
@@ -201,8 +198,7 @@ def test_two_ranks_sample_the_tokens_one_process_samples():
     while engine.has_work:
         for ev in engine.step():
             want.setdefault(ev.request_id, []).extend(ev.token_ids)
-    code = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
-    again = code + generate(model, tok, code, max_tokens=24, config=EngineConfig(enable_mtp=False)).token_ids + code
+    again = asked_again(tok, loaded(DEMO)[2], 24)
     res = run_worker("sample", "--model", DEMO, "--n", str(n), "--seed0", "0",
                      "--temperature", str(temperature), "--again", json.dumps(again))["result"]
     assert res["tokens"] == list(want.values())

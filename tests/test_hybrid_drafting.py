@@ -6,7 +6,7 @@ drafter made what; and the plan picks the suffix only where it pays."""
 import json
 
 import pytest
-from engine_helpers import loaded, prompt_of, reference_greedy
+from engine_helpers import asked_again, loaded, prompt_of, reference_greedy
 from test_sampling_exact import (  # noqa: F401  (pytest fixtures, used by name)
     PARAMS,
     N,
@@ -48,8 +48,7 @@ def test_the_demo_asked_again_is_drafted_by_the_suffix_and_stays_exact(num_draft
     """The demo model, its prompt, its own answer and the prompt again: it mostly writes
     the answer again, which the suffix drafter finds in the prompt."""
     model, tok, ref = loaded(str(demo_model_path()))
-    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
-    again = prompt + reference_greedy(ref, prompt, 96) + prompt
+    again = asked_again(tok, ref, 96)
     want = reference_greedy(ref, again, 96)
     res = generate(model, tok, again, max_tokens=96, config=EngineConfig(num_draft=num_draft, suffix_drafts=True))
     assert res.token_ids == want
@@ -191,18 +190,13 @@ def test_rows_whose_drafts_go_untaken_are_looked_up_less_often():
     assert not lookups.wait and not lookups.untaken
 
 
-def _asked_again(tok, ref, n):
-    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
-    return prompt + reference_greedy(ref, prompt, n) + prompt
-
-
 def test_generate_drafts_from_the_suffix_unless_told_not_to():
     from click.testing import CliRunner
 
     from mlxmtp.commands.main import main
 
     _, tok, ref = loaded(str(demo_model_path()))
-    text = tok.decode(_asked_again(tok, ref, 64))
+    text = tok.decode(asked_again(tok, ref, 64))
     by_source = {}
     for flag in ("--suffix", "--no-suffix"):
         res = CliRunner().invoke(main, ["generate", "--prompt", text, "--no-chat-template", "--max-tokens", "48",
@@ -223,7 +217,7 @@ def test_the_server_reports_drafts_by_source_in_usage_and_metrics():
     model, tok, ref = loaded(str(demo_model_path()))
     with ServerThread(create_app(model, tok)) as srv:
         r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": _asked_again(tok, ref, 64), "max_tokens": 48, "temperature": 0}).json()
+            "model": "m", "prompt": asked_again(tok, ref, 64), "max_tokens": 48, "temperature": 0}).json()
         usage = r["usage"]["mtp"]["by_source"]
         assert usage["suffix"]["accepted"] > 24, usage
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
@@ -352,8 +346,7 @@ def test_suffix_cycles_teach_the_depth_policy_their_cost_and_nothing_else():
     assert policy.accept.first_drafts_tried(GREEDY) == 0
     # The engine times its suffix cycles (synchronous, from their launch) for the policy.
     model, tok, ref = loaded(str(demo_model_path()))
-    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n    ")
-    again = prompt + reference_greedy(ref, prompt, 64) + prompt
+    again = asked_again(tok, ref, 64)
     eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True))
     _run(eng, [Request(prompt=again, max_tokens=64)])
     measured = {k for table in eng.policy.costs.values() for k in table.log_costs()}
