@@ -59,7 +59,9 @@ def test_interleaved_times_each_side_on_its_own_turns(decode):
 
 
 @pytest.mark.slow
-def test_benchmark_runs_end_to_end_on_the_demo_model(decode, capsys):
+def test_benchmark_runs_end_to_end_on_the_demo_model(decode, capsys, monkeypatch):
+    costs = decode.forward_costs  # one timed round of each forward is enough to check the table
+    monkeypatch.setattr(decode, "forward_costs", lambda model, sizes, reps=20: costs(model, sizes, reps=1))
     path = str(decode.demo_model_path())
     decode.bench_model("demo", path, temps=[0.0], depths=[1], rounds=1, max_tokens=12, markdown=True,
                        compiled=True, shape_stable=True, pipelined=True)
@@ -223,3 +225,23 @@ def test_structured_output_bench_holds_every_side_to_the_same_tokens(fixture_mod
     for _, k in bench.SETTINGS[:4]:
         gen, engine = bench.mlxmtp_side(model, tok, prompt, 40, grammar, k)
         assert sum(n for n in gen if n is not None) == want and engine is not None
+
+
+def test_policy_ab_runs_its_variant_on_a_policy_of_its_own():
+    """bench/policy_ab.py: `--set` fields parse to the field's type, an unknown one is named,
+    and the policy it installs is the one the next adaptive engine of the model takes."""
+    ab = _bench_module("policy_ab")
+    cfg = ab.variant_config(["request_weight=16", "margin=0.1", "calibrate=false"])
+    assert (cfg.request_weight, cfg.margin, cfg.calibrate) == (16.0, 0.1, False)
+    with pytest.raises(SystemExit, match="no field 'nope'"):
+        ab.variant_config(["nope=1"])
+    from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.config import EngineConfig
+    from mlxmtp.engine.policy.adaptive import DepthPolicy
+    from mlxmtp.models.demo import demo_model_path
+    from mlxmtp.models.load import load
+
+    model, tok = load(str(demo_model_path()))
+    for policy in (DepthPolicy(config=cfg), DepthPolicy()):
+        ab.use_policy(model, policy)
+        assert BatchGenerator(model, tok, EngineConfig(enable_mtp=True)).policy is policy
