@@ -60,6 +60,16 @@ def run_round(model, tok, ref, settings, prompt, temp, seed, max_tokens, reverse
     return out
 
 
+def first_drafts_by_depth(policy):
+    """Per class, "k=K kept/tried" of first drafts in the policy's own (decayed) counts: what
+    each depth's level of acceptance was learnt from (engine/policy/acceptance.py)."""
+    rows = {}
+    for (cls, k), tried in sorted(policy.accept.tried.items(), key=str):
+        if tried[1]:
+            rows.setdefault(cls, []).append(f"k={k} {policy.accept.kept[cls, k][1]:.0f}/{tried[1]:.0f}")
+    return "; ".join(f"{cls}: {', '.join(v)}" for cls, v in rows.items())
+
+
 def report(temp, ratios, plain_cycles):
     print(f"\ntemp={temp}: speed-ups against mlx-lm, median (mean) over {len(ratios['MTP off'])} rounds")
     for label, values in ratios.items():
@@ -106,6 +116,8 @@ def main():
                     plain[label] += int(stats.get("depths", {}).get(0, 0))
             print(f"round {r}: " + "  ".join(f"{label} {ratio:.2f}" for label, (ratio, _) in got.items()), flush=True)
         report(temp, ratios, plain)
+        for label, _, policy in settings[2:]:
+            print(f"  {label}: first drafts kept by depth, {first_drafts_by_depth(policy)}")
 
 
 if __name__ == "__main__":
