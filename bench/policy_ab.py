@@ -22,6 +22,7 @@ import statistics
 import decode
 import mlx_lm
 
+from mlxmtp.engine.pieces import policy_key
 from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.config import PolicyConfig
 from mlxmtp.models.demo import demo_model_path
@@ -42,18 +43,23 @@ def variant_config(assignments):
 
 def use_policy(model, policy):
     """Make `policy` the one every adaptive head-alone engine of `model` built next takes
-    (engine/pieces.shared_policy keys them by their depth settings, EngineConfig's defaults here)."""
-    model.policies[(policy.max_depth, None, "mtp", False)] = policy
+    (engine/pieces.shared_policy, with EngineConfig's defaults)."""
+    model.policies[policy_key(policy.max_depth, None)] = policy
+
+
+def mlxmtp_side(model, tok, prompt, max_tokens, temp, seed, k, policy, stats):
+    """bench/decode.py's mlxmtp side (tokens per step, then None), on `policy` where given."""
+    if policy is not None:
+        use_policy(model, policy)
+    return decode.mlxmtp_tokens(model, tok, prompt, max_tokens, temp, seed, k, stats)
 
 
 def run_round(model, tok, ref, settings, prompt, temp, seed, max_tokens, reverse):
     """{label: (speed-up against the mlx-lm run beside it, the request's stats)} for one prompt."""
     out = {}
     for label, k, policy in (settings[::-1] if reverse else settings):
-        if policy is not None:
-            use_policy(model, policy)
         stats = {}
-        mine = decode.mlxmtp_tokens(model, tok, prompt, max_tokens, temp, seed, k, stats)
+        mine = mlxmtp_side(model, tok, prompt, max_tokens, temp, seed, k, policy, stats)
         theirs = (decode.mlx_lm_tokens(ref, tok, prompt, max_tokens, temp, seed), None)
         res, base = decode.interleaved([mine, theirs])
         out[label] = (res["tps"] / base["tps"], stats.get("stats") or {})
@@ -102,9 +108,7 @@ def main():
                 ("adaptive, " + ", ".join(args.set), "adaptive", changed)]
     for temp in [float(t) for t in args.temps.split(",")]:
         for _, k, policy in settings:  # warm-up, as bench/decode.py's; the policies calibrate here
-            if policy is not None:
-                use_policy(model, policy)
-            for _ in decode.mlxmtp_tokens(model, tok, prompts[0], args.max_tokens, temp, 0, k, {})[0]:
+            for _ in mlxmtp_side(model, tok, prompts[0], args.max_tokens, temp, 0, k, policy, {})[0]:
                 pass
         ratios = {label: [] for label, _, _ in settings}
         plain = {label: 0 for label, k, _ in settings if k == "adaptive"}

@@ -245,6 +245,6 @@ def test_policy_ab_runs_its_variant_on_a_policy_of_its_own():
     for policy in (DepthPolicy(config=cfg), DepthPolicy()):
         ab.use_policy(model, policy)
         assert BatchGenerator(model, tok, EngineConfig(enable_mtp=True)).policy is policy
-    policy.accept.record(2, [1, 0], ["sampled", "sampled"])  # steady cycles of k = 2 and 1
-    policy.accept.record(1, [1], ["greedy"])
+    policy.accept.record(2, [1, 0], ["sampled", "sampled"])  # a steady k = 2 cycle of two sampled rows
+    policy.accept.record(1, [1], ["greedy"])  # and a k = 1 cycle of a greedy one
     assert ab.first_drafts_by_depth(policy) == "greedy: k=1 1/1; sampled: k=2 1/2"

@@ -78,8 +78,9 @@ def test_seeded_requests_give_the_same_text_at_every_depth_and_in_any_batch(fixt
     def batch():
         return [*(_mine(s) for s in SETTINGS), *_others()]
 
+    alone = list(zip(SETTINGS, plain))
     for i, (name, options) in enumerate(ARMS.items()):
-        s, want = list(zip(SETTINGS, plain))[i % len(SETTINGS)]
+        s, want = alone[i % len(alone)]
         assert _run(model, tok, [_mine(s)], **options)[0] == want, (name, s)
         assert _run(model, tok, batch(), **options)[:3] == plain, name
     # Drafts right 60% of the time (the head of a random fixture is rarely right), so

@@ -57,13 +57,18 @@ def shared_policy(model, max_depth: int, num_draft: Optional[int], source: str =
     only where the suffix has nothing, the harder text, and what it keeps there would hold
     a head-alone engine's depth down (BENCHMARKS.md, depth policy)."""
     policies = model.policies if isinstance(model, MTPModel) else None
-    key = (max_depth, num_draft, source, beside_suffix)
+    key = policy_key(max_depth, num_draft, source, beside_suffix)
     if policies is not None and key in policies:
         return policies[key]
     policy = DepthPolicy(max_depth=max_depth, fixed=num_draft)
     if policies is not None:
         policies[key] = policy
     return policy
+
+
+def policy_key(max_depth: int, num_draft: Optional[int], source: str = "mtp", beside_suffix: bool = False) -> tuple:
+    """Which of the model's shared policies (`model.policies`) engines of these settings take."""
+    return (max_depth, num_draft, source, beside_suffix)
 
 
 def cycle_modes(shape_stable: Optional[bool], pipeline_drafts: bool, profile: bool) -> Tuple[bool, bool]:
