@@ -9,8 +9,9 @@ the server must reject with a 400 in the API's own error shape. Then checks:
   (sequentially, after the load): batching must not change a greedy output;
 * every poison request got a 400 with the right error shape (and hurt no one else);
 * no request was lost;
-* the server's RSS after the load is within 10% of its level after a warm-up round of
-  the same requests (the server runs with --prefix-cache-mb 0, so no cache holds memory).
+* the server's RSS after the load has grown by at most 10% over its level after a warm-up
+  round of the same requests (the server runs with --prefix-cache-mb 0, so no cache holds
+  memory); a smaller RSS is no leak (the allocator and MLX's buffer cache give memory back).
 
 Outputs equal solo only when batched and solo forwards are bit-identical, so the default
 model is a float32 fixture (random weights, written to a temporary folder).
@@ -426,8 +427,8 @@ def run(model: str, *, requests: int = 64, port: int = 0, poison: Optional[int] 
                             f"{res.text!r} ({res.finish}) vs {ref.text!r} ({ref.finish})")
         else:
             ok += 1
-    if abs(rss_after - rss_warm) > RSS_TOLERANCE * rss_warm:
-        failures.append(f"RSS after the load {rss_after} kB is not within {RSS_TOLERANCE:.0%} of "
+    if rss_after - rss_warm > RSS_TOLERANCE * rss_warm:
+        failures.append(f"RSS after the load {rss_after} kB grew by more than {RSS_TOLERANCE:.0%} over "
                         f"{rss_warm} kB after the warm-up")
     if not alive:
         failures.append("the server died")

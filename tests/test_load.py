@@ -3,8 +3,8 @@ requests among them, against a real `mlxmtp serve` subprocess on a float32 fixtu
 
 The contract ("one request never hurts another"): every good stream completes and equals
 the same request run alone at temperature 0; every poison request gets a 400 in its
-API's error shape; none is lost; RSS after the load is within 10% of its level after a
-warm-up round of the same requests.
+API's error shape; none is lost; RSS after the load has grown by at most 10% over its
+level after a warm-up round of the same requests (a smaller RSS is no leak).
 """
 
 import pytest
@@ -39,7 +39,7 @@ def test_load_one_request_never_hurts_another(load, tmp_path):
     model = write_hf_checkpoint(tmp_path / "model", "qwen3_5")  # float32: batched == solo bit for bit
     # 24 requests, the seven kinds of malformed request once each (the schemas llguidance
     # is spared are tested per API in test_structured_output; their compiles move the RSS
-    # this test holds to 10% by tens of MiB from one round to the next): under 2 minutes.
+    # this test holds to 10% growth by tens of MiB from one round to the next): under 2 minutes.
     kinds = 7
     report = load.run(str(model), requests=24, poison=kinds)
     print(load.summary(report))
@@ -49,5 +49,5 @@ def test_load_one_request_never_hurts_another(load, tmp_path):
     assert report["poison_rejected"] == report["poison"] == kinds, poison
     assert report["ok"] == report["good"] == 24 - kinds, [f for f in failures if "poison" not in f]
     growth = (report["rss_after_kb"] - report["rss_warm_kb"]) / report["rss_warm_kb"]
-    assert abs(growth) <= load.RSS_TOLERANCE, report
+    assert growth <= load.RSS_TOLERANCE, report
     assert not failures
