@@ -248,3 +248,17 @@ def test_policy_ab_runs_its_variant_on_a_policy_of_its_own():
     policy.accept.record(2, [1, 0], ["sampled", "sampled"])  # a steady k = 2 cycle of two sampled rows
     policy.accept.record(1, [1], ["greedy"])  # and a k = 1 cycle of a greedy one
     assert ab.first_drafts_by_depth(policy) == "greedy: k=1 1/1; sampled: k=2 1/2"
+
+
+def test_policy_sim_prices_plain_decoding_at_one_token_a_cycle_and_drafting_above_it():
+    """bench/policy_sim.py's stream is a close call drafting wins (BENCHMARKS.md): plain
+    decoding makes exactly 1 token per plain cycle, the best fixed depth 1.1-1.3, and a policy
+    on it lands between them."""
+    sim = _bench_module("policy_sim")
+    from mlxmtp.engine.policy.adaptive import DepthPolicy
+
+    for scenario in sim.SCENARIOS:
+        assert sim.run(0, fixed=0, **scenario)[0] == 1.0
+        assert 1.1 < max(sim.run(0, fixed=k, **scenario)[0] for k in range(1, 5)) < 1.3
+    worst, mean, plain = sim.scenario(DepthPolicy, 2, **sim.SCENARIOS[0])
+    assert 0.7 < worst <= mean < 1.1 and 0 < plain < 1
