@@ -2,15 +2,15 @@
 
 bench/policy_ab.py measures a policy variant on the demo itself, where a run takes minutes and
 its "of best" moves by 0.1 from run to run. This drives the policy (engine/policy) with cycles
-whose costs and kept drafts are drawn from what the demo at T = 0.6 on a 2-core CPU was
-measured to do (BENCHMARKS.md, "The depth policy against a variant of it"): a cycle of depth
-k costs COSTS[k] plain cycles (the first after plain decoding SWITCH more), seen through
-lognormal noise; a request's first draft is kept
-57% of the time in its answer's first 16 tokens, 66% up to 64 and 72% after, shifted per
-request by a normal offset (`--spread`); deeper drafts are kept `--deeper` more or less often
-than the first. Requests of 100-250 tokens come one after another to one policy, which learns
-from each as a server's does. Deterministic: a seed draws the same requests for every
-setting, and a variant's figures differ from the shipped policy's by what it decides.
+whose costs and kept drafts are drawn from what the demo was measured to do at T = 0.6
+(BENCHMARKS.md, "The depth policy against a variant of it"): a cycle of depth k costs COSTS[k]
+plain cycles (the first after plain decoding SWITCH more), seen through lognormal noise
+(`--noise`); a request's first draft is kept 57% of the time in its answer's first 16 tokens,
+66% up to 64 and 72% after, shifted per request by a normal offset; deeper drafts are kept a
+little more or less often than the first (SCENARIOS: the offset's spread and that difference).
+Requests of 100-250 tokens come one after another to one policy, which learns from each as a
+server's does. Deterministic: a seed draws the same requests for every setting, and a
+variant's figures differ from the shipped policy's by what it decides.
 
 Reported per scenario: the policy's tokens per unit of cost over the best fixed depth's
 (MTP off included) on the same requests, the worst and the mean over the seeds, and the share
@@ -62,22 +62,22 @@ def run(seed: int, policy=None, fixed: int = 0, deeper: float = 0.0, spread: flo
             k = min(fixed, limit) if policy is None else policy.choose(
                 1, limit=limit, classes=["sampled"], requests=[request])
             kept = _kept(k, first_kept(position, offset), deeper, luck)
-            paid = COSTS[k] + (SWITCH if prev == 0 and k > 0 else 0.0)
+            switched = prev == 0 and k > 0
+            paid = COSTS[k] + (SWITCH if switched else 0.0)
             seen = paid * luck.lognormvariate(0, noise)
             if policy is not None:  # timed as the engine times: not the first cycle after a switch
                 timed = prev is not None and (prev == 0) == (k == 0)
                 policy.update(k, 1, seen if timed else None, [kept], ["sampled"],
-                              switch_seconds=seen if prev == 0 and k > 0 else None, requests=[request])
+                              switch_seconds=seen if switched else None, requests=[request])
             prev, depths[k] = k, depths[k] + 1
             position, tokens, cost = position + kept + 1, tokens + kept + 1, cost + paid
     return tokens / cost, depths
 
 
 def _kept(k: int, first: float, deeper: float, luck: random.Random) -> int:
-    for i in range(k):
-        if luck.random() >= (first if i == 0 else min(0.97, first + deeper)):
-            return i
-    return k
+    """Drafts kept of k: each in turn, until one is not."""
+    chance = [first] + [min(0.97, first + deeper)] * (k - 1)
+    return next((i for i in range(k) if luck.random() >= chance[i]), k)
 
 
 def scenario(make_policy, seeds: int, **kw):
