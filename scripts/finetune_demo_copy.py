@@ -32,10 +32,11 @@ finetune-head), since the backbone moved, and packaged:
     python scripts/train_demo_model.py package --hf /work/copy_2 --dest mlxmtp/demo_model
     python scripts/finetune_demo_copy.py measure        # copy rate on held-out files
 
-The packaged demo ran `tasks` twice: first (seed 11) with targets at the latest earlier
+The packaged demo ran `tasks` three times: first (seed 11) with targets at the latest earlier
 occurrence, which taught its copies to jump to what followed a line's second occurrence, then
-(`--seed 12`, from that export) with the targets above. Its runs and curves are in its
-training.json (`copy_finetune`); what it copies, in docs/demo-model.md.
+(`--seed 12`, from that export) with the targets above, then `--seed 13 --steps 600` from the
+export of that. Its runs and curves are in its training.json (`copy_finetune`); what it copies,
+in docs/demo-model.md.
 """
 
 from __future__ import annotations

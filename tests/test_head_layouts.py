@@ -149,6 +149,25 @@ def test_norms_shifted_already_are_read_as_shifted_and_half_shifted_ones_refused
             _assert_same_params(load(str(target))[0].head, model.head)
 
 
+def test_a_kept_head_whose_norms_drifted_in_training_is_read_as_shifted(fixture_model, tmp_path):
+    """A head shifted already, one of whose norms sits half a unit below the model's final
+    norm (a trained head's norms drift): shifted again, the others would sit ~1 above it and
+    that one ~0.5, so the head as a whole says it was shifted."""
+    hf = fixture_model("qwen3_5")["hf"]
+    target = tmp_path / "drifted"
+    shutil.copytree(hf, target)
+    drifted = "mtp.layers.0.post_attention_layernorm.weight"
+    for shard in target.glob("*.safetensors"):
+        t = dict(mx.load(str(shard)))
+        for k in [k for k in t if k.startswith("mtp.") and hf_head.is_zero_centred_norm(k[4:])]:
+            t[k] = t[k] + (0.5 if k == drifted else 1.0)
+        mx.save_safetensors(str(shard), t, metadata={"format": "pt"})
+    head = load(str(target))[0].head
+    want = load(str(hf))[0].head.layers[0].post_attention_layernorm.weight - 0.5
+    np.testing.assert_allclose(np.array(head.layers[0].post_attention_layernorm.weight, dtype=np.float32),
+                               np.array(want, dtype=np.float32), atol=1e-3)
+
+
 def test_unreadable_foreign_heads_are_refused_by_name(tmp_path):
     folder = _demo_without_head(tmp_path)
     (folder / "mtp.safetensors").write_bytes(b"\xff" * 20)  # no safetensors header

@@ -6,9 +6,10 @@ without saying so: in the shards or a sidecar file (checkpoint/hf_head.SIDECARS)
 names or MTPHead's, MLX-quantized layer by layer (`weight`, `scales`, `biases`), their
 zero-centred norms shifted or not. What is not written down is read off the tensors:
 
-- the norm convention: a head whose every norm sits ~1 above the model's final norm once
-  shifted was shifted already (the same test that refuses a misshifted head,
-  hf_head.misshifted_norms), so it is taken as it is;
+- the norm convention: the +1 shift moves every norm of the head by 1, so of the head
+  shifted and the head as stored, the one whose norms sit nearer the model's final norm
+  (on average over the norms) is the right one; a trained head's norms, taken one by one,
+  can sit 0.5 from it either way;
 - the quantization of each layer: bits and group size from the packed weight's and the
   scales' widths against the layer's input size in the unquantized head.
 Only MLX's affine mode is read (it is the one with biases); another is refused by name.
@@ -26,12 +27,13 @@ from ..checkpoint import hf_head
 
 
 def convert_settling_norms(tensors: Dict[str, mx.array], reference: mx.array):
-    """hf_head.convert_hf_head of `tensors`, the +1 norm shift left out where every norm
-    of the head would otherwise sit ~1 above `reference` (the model's final norm)."""
+    """hf_head.convert_hf_head of `tensors`, the +1 norm shift left out where the head's
+    norms sit nearer `reference` (the model's final norm) without it than with it."""
     weights, info = hf_head.convert_hf_head(tensors)
-    norms = [(name, w) for name, w in weights.items() if name.endswith("norm.weight") and w.ndim == 1]
-    twice = [bad for bad in hf_head.misshifted_norms(norms, reference) if bad.twice]
-    if norms and len(twice) == len(norms):
+    ref = reference.astype(mx.float32).mean().item()
+    means = [w.astype(mx.float32).mean().item() for name, w in weights.items()
+             if hf_head.is_zero_centred_norm(name) and w.ndim == 1]
+    if means and sum(abs(m - 1.0 - ref) for m in means) < sum(abs(m - ref) for m in means):
         weights, info = hf_head.convert_hf_head(tensors, shift_norms=False)
     return weights, info
 
