@@ -18,8 +18,10 @@ loss of train_demo_model.py plus that attention loss:
    sometimes with other text between the copies), the target the first copy's next position;
    a quarter of each batch plain corpus windows, so the model keeps what it was.
 2. `tasks`: 768-token rows of copy and edit tasks (mlxmtp/models/demo_tasks.py on the
-   training files), one longer span row and one corpus window per batch; the target, at
-   every position whose last MATCH tokens occurred before, the position after the earlier
+   training files), one longer span row and one corpus window per batch; the target, in a
+   task's answer, the token the next one copies from (copy_alignment.py: through a renamed
+   name and an Edit call's JSON escapes, where matching tokens finds nothing), and at every
+   other position whose last MATCH tokens occurred before, the position after the earlier
    occurrence that matches the most tokens back.
 
 Then the head is distilled again on the model's own output (train_demo_model.py
@@ -32,11 +34,13 @@ finetune-head), since the backbone moved, and packaged:
     python scripts/train_demo_model.py package --hf /work/copy_2 --dest mlxmtp/demo_model
     python scripts/finetune_demo_copy.py measure        # copy rate on held-out files
 
-The packaged demo ran `tasks` three times: first (seed 11) with targets at the latest earlier
-occurrence, which taught its copies to jump to what followed a line's second occurrence, then
-(`--seed 12`, from that export) with the targets above, then `--seed 13 --steps 600` from the
-export of that. Its runs and curves are in its training.json (`copy_finetune`); what it copies,
-in docs/demo-model.md.
+The packaged demo ran `tasks` three times, before the answers' copy targets existed: first
+(seed 11) with matching targets at the latest earlier occurrence, which taught its copies to
+jump to what followed a line's second occurrence, then (`--seed 12`, from that export) with
+the longest match, then `--seed 13 --steps 600` from the export of that. A fourth run with the
+answers' copy targets (`--seed 14 --steps 400`) copied Edit calls better (0.54 of their tokens,
+from 0.41) and the rest no better, and was not packaged. Its runs and curves are in its
+training.json (`copy_finetune`); what it copies, in docs/demo-model.md.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import copy_alignment  # noqa: E402
 import train_demo_model as base  # noqa: E402
 
 SEQ_LEN = 768  # a task row: an edit task (tool schemas, the file read, old and new strings) fits
@@ -147,20 +152,36 @@ def load_float32(hf: str | None):
     return model, head, tok, base.model_config(tok)
 
 
-def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> np.ndarray:
-    """[n_rows, SEQ_LEN + 2] token rows, each a run of whole tasks (the last one cut)."""
+def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> list:
+    """n_rows (row, targets): a [SEQ_LEN + 2] token row, a run of whole tasks (the last one
+    cut), and {position: position of the token it copies next} over its answers
+    (copy_alignment: through renames and JSON escapes, which matching tokens cannot follow)."""
     from mlxmtp.models import demo_tasks  # with the chat tokenizer: only when rows are built
 
     eot = tok.token_to_id("<|endoftext|>")
     texts = [(p.relative_to(base.stdlib_dir()).as_posix(), base.read(p)) for p in files]
     rows = []
     while len(rows) < n_rows:
-        row = []
+        row, targets = [], {}
         while len(row) < SEQ_LEN + 2:
             task = _task(texts, rng)
-            row += tok.encode(demo_tasks.render(chat_tok, task, with_answer=True)).ids + [eot]
-        rows.append(row[: SEQ_LEN + 2])
-    return np.asarray(rows, dtype=np.int32)
+            text = demo_tasks.render(chat_tok, task, with_answer=True)
+            prompt_len = len(demo_tasks.render(chat_tok, task, with_answer=False))
+            encoded = tok.encode(text)
+            copied = copy_alignment.token_targets(encoded.offsets, copy_alignment.char_sources(text, prompt_len, task))
+            targets.update({len(row) + q: len(row) + k for q, k in copied.items() if len(row) + q < SEQ_LEN + 1})
+            row += encoded.ids + [eot]
+        rows.append((np.asarray(row[: SEQ_LEN + 2], dtype=np.int32), targets))
+    return rows
+
+
+def task_targets(row, copied: dict) -> tuple:
+    """(queries, keys) for a task row: its answers' copy targets, and `induction_targets`
+    at the positions those leave (a tool call's frame, code the prompt repeats)."""
+    found = dict(zip(*induction_targets(row)))
+    found.update(copied)
+    queries = sorted(found)
+    return queries, [found[q] for q in queries]
 
 
 def span_row(data: np.ndarray, gen: np.random.Generator, vocab: int, seq_len: int, longest: int,
@@ -295,9 +316,9 @@ def phase_rows(phase: str, data, tasks, gen, vocab: int, step: int):
     spans = [span_row(data, gen, vocab, p["seq_len"], **s) for _ in range(p["spans"])]
     plain = [data[i:i + L] for i in gen.integers(0, len(data) - L, size=p["plain"])]
     task = list(tasks[step * p["tasks"] : (step + 1) * p["tasks"]])
-    rows = task + [r for r, _, _ in spans] + plain
+    rows = [r for r, _ in task] + [r for r, _, _ in spans] + plain
     if p["targets"] == "matches":
-        return rows, [induction_targets(r) for r in rows]
+        return rows, [task_targets(*t) for t in task] + [induction_targets(r) for r in rows[len(task):]]
     return rows, [([], [])] * len(task) + [(q, k) for _, q, k in spans] + [([], [])] * len(plain)
 
 
@@ -365,8 +386,8 @@ def held_out_eval(parts, head, probs, held, held_files, chat_tok, tok, vocab):
     code = mx.array(np.stack([held[s:s + 130] for s in gen.integers(0, len(held) - 130, size=8)]))
     spans = [span_row(held, np.random.default_rng(99 + i), vocab, 256, **SPANS["induction"]) for i in range(8)]
     span_batch = batch_arrays([r for r, _, _ in spans], [(q, k) for _, q, k in spans])
-    tasks = list(task_rows(held_files, chat_tok, tok, 4, random.Random(base.SEED + 12)))
-    task_batch = batch_arrays(tasks, [induction_targets(r) for r in tasks])
+    tasks = task_rows(held_files, chat_tok, tok, 4, random.Random(base.SEED + 12))
+    task_batch = batch_arrays([r for r, _ in tasks], [task_targets(*t) for t in tasks])
 
     def copied(batch):
         tokens, rows, queries, keys = batch

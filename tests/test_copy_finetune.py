@@ -3,6 +3,7 @@ point each position at the one after the earlier occurrence of its recent tokens
 packaged demo copies."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -50,3 +51,51 @@ def test_the_demo_copies_a_held_out_file_it_is_asked_to_print_back():
 
     model, tok = mlx_lm.load(str(demo.PACKAGED))
     assert _script().copy_rate(model, tok, demo_tasks.held_out_tasks("rename", 3), max_tokens=300) >= 0.5
+
+
+def _alignment():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "copy_alignment.py"
+    spec = importlib.util.spec_from_file_location("copy_alignment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_escaped_string_traces_each_character_to_the_one_it_writes():
+    alignment = _alignment()
+    text = 'x = "a\\tb"\n\tüñ\n'
+    body, index = alignment.escaped(text)
+    assert body == json.dumps(text)[1:-1]
+    assert [text[i] for i in index[:4]] == ["x", " ", "=", " "] and body[index.index(6):index.index(7)] == "\\\\"
+    assert {text[i] for i, ch in zip(index, body) if ch == "u"} == {"ü", "ñ"}  # \u00fc, \u00f1
+    assert alignment.aligned("foo(bar, bar)", "foo(bar_key, bar_key)")[:8] == [0, 1, 2, 3, 4, 5, 6, None]
+
+
+@pytest.mark.parametrize("kind", ["repeat", "rename", "edit"])
+def test_copy_targets_follow_an_answer_through_renames_and_escapes(kind):
+    """Each answer token's target holds what the next token copies: the very token where the
+    copy is written as its source was; past the renamed names and JSON escapes that matching
+    the last tokens cannot follow, so the targets cover more of the answer than matching."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from mlxmtp.models import demo, demo_tasks
+
+    alignment, script = _alignment(), _script()
+    chat, tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED)), Tokenizer.from_file(str(demo.PACKAGED / "tokenizer.json"))
+    copied = merged = matched = same = answer = 0
+    for task in demo_tasks.held_out_tasks(kind, 4):
+        text = demo_tasks.render(chat, task, with_answer=True)
+        prompt_len = len(demo_tasks.render(chat, task, with_answer=False))
+        encoded = tok.encode(text)
+        targets = alignment.token_targets(encoded.offsets, alignment.char_sources(text, prompt_len, task))
+        first = next(u for u, (s, _) in enumerate(encoded.offsets) if s >= prompt_len) - 1
+        assert targets and all(first <= q and k <= q for q, k in targets.items())
+        answer += len(encoded.ids) - first
+        copied += len(targets)
+        same += sum(encoded.ids[k] == encoded.ids[q + 1] for q, k in targets.items())
+        matched += sum(q >= first for q in script.induction_targets(encoded.ids)[0])
+        merged += sum(q >= first for q in script.task_targets(encoded.ids, targets)[0])
+    assert copied > 0.7 * answer
+    assert same == copied if kind != "edit" else same > 0.8 * copied  # escapes split tokens elsewhere
+    assert merged == matched if kind == "repeat" else merged > {"rename": 1.05, "edit": 1.2}[kind] * matched
