@@ -10,12 +10,17 @@ import numpy as np
 import pytest
 
 
+def _load(name: str):
+    """A module of scripts/ by its file name (scripts/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "finetune_demo_copy.py"
-    spec = importlib.util.spec_from_file_location("finetune_demo_copy", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return _load("finetune_demo_copy")
 
 
 def test_induction_targets_point_at_what_followed_the_longest_earlier_match():
@@ -54,11 +59,7 @@ def test_the_demo_copies_a_held_out_file_it_is_asked_to_print_back():
 
 
 def _alignment():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "copy_alignment.py"
-    spec = importlib.util.spec_from_file_location("copy_alignment", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("copy_alignment")
 
 
 def test_an_escaped_string_traces_each_character_to_the_one_it_writes():
