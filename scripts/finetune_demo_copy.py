@@ -156,23 +156,28 @@ def task_rows(files, chat_tok, tok, n_rows: int, rng: random.Random) -> list:
     """n_rows (row, targets): a [SEQ_LEN + 2] token row, a run of whole tasks (the last one
     cut), and {position: position of the token it copies next} over its answers
     (copy_alignment: through renames and JSON escapes, which matching tokens cannot follow)."""
-    from mlxmtp.models import demo_tasks  # with the chat tokenizer: only when rows are built
-
     eot = tok.token_to_id("<|endoftext|>")
     texts = [(p.relative_to(base.stdlib_dir()).as_posix(), base.read(p)) for p in files]
     rows = []
     while len(rows) < n_rows:
         row, targets = [], {}
         while len(row) < SEQ_LEN + 2:
-            task = _task(texts, rng)
-            text = demo_tasks.render(chat_tok, task, with_answer=True)
-            prompt_len = len(demo_tasks.render(chat_tok, task, with_answer=False))
-            encoded = tok.encode(text)
-            copied = copy_alignment.token_targets(encoded.offsets, copy_alignment.char_sources(text, prompt_len, task))
+            ids, copied = task_tokens(chat_tok, tok, _task(texts, rng))
             targets.update({len(row) + q: len(row) + k for q, k in copied.items() if len(row) + q < SEQ_LEN + 1})
-            row += encoded.ids + [eot]
+            row += ids + [eot]
         rows.append((np.asarray(row[: SEQ_LEN + 2], dtype=np.int32), targets))
     return rows
+
+
+def task_tokens(chat_tok, tok, task) -> tuple[list, dict]:
+    """A task's whole conversation as token ids, and {position: position of the token it
+    copies next} over its answer (copy_alignment)."""
+    from mlxmtp.models import demo_tasks  # with the chat tokenizer: only when rows are built
+
+    text = demo_tasks.render(chat_tok, task, with_answer=True)
+    prompt_len = len(demo_tasks.render(chat_tok, task, with_answer=False))
+    encoded = tok.encode(text)
+    return encoded.ids, copy_alignment.token_targets(encoded.offsets, copy_alignment.char_sources(text, prompt_len, task))
 
 
 def task_targets(row, copied: dict) -> tuple:

@@ -58,12 +58,8 @@ def test_the_demo_copies_a_held_out_file_it_is_asked_to_print_back():
     assert _script().copy_rate(model, tok, demo_tasks.held_out_tasks("rename", 3), max_tokens=300) >= 0.5
 
 
-def _alignment():
-    return _load("copy_alignment")
-
-
 def test_an_escaped_string_traces_each_character_to_the_one_it_writes():
-    alignment = _alignment()
+    alignment = _load("copy_alignment")
     text = 'x = "a\\tb"\n\tüñ\n'
     body, index = alignment.escaped(text)
     assert body == json.dumps(text)[1:-1]
@@ -82,21 +78,20 @@ def test_copy_targets_follow_an_answer_through_renames_and_escapes(kind):
 
     from mlxmtp.models import demo, demo_tasks
 
-    alignment, script = _alignment(), _script()
+    script = _script()
     chat, tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED)), Tokenizer.from_file(str(demo.PACKAGED / "tokenizer.json"))
     copied = merged = matched = same = answer = 0
     for task in demo_tasks.held_out_tasks(kind, 4):
-        text = demo_tasks.render(chat, task, with_answer=True)
-        prompt_len = len(demo_tasks.render(chat, task, with_answer=False))
-        encoded = tok.encode(text)
-        targets = alignment.token_targets(encoded.offsets, alignment.char_sources(text, prompt_len, task))
-        first = next(u for u, (s, _) in enumerate(encoded.offsets) if s >= prompt_len) - 1
+        ids, targets = script.task_tokens(chat, tok, task)
+        prompt = tok.encode(demo_tasks.render(chat, task, with_answer=False)).ids
+        first = len(prompt) - 1  # the prompt's last token predicts the answer's first
+        assert ids[: len(prompt)] == prompt
         assert targets and all(first <= q and k <= q for q, k in targets.items())
-        answer += len(encoded.ids) - first
+        answer += len(ids) - first
         copied += len(targets)
-        same += sum(encoded.ids[k] == encoded.ids[q + 1] for q, k in targets.items())
-        matched += sum(q >= first for q in script.induction_targets(encoded.ids)[0])
-        merged += sum(q >= first for q in script.task_targets(encoded.ids, targets)[0])
+        same += sum(ids[k] == ids[q + 1] for q, k in targets.items())
+        matched += sum(q >= first for q in script.induction_targets(ids)[0])
+        merged += sum(q >= first for q in script.task_targets(ids, targets)[0])
     assert copied > 0.7 * answer
     assert same == copied if kind != "edit" else same > 0.8 * copied  # escapes split tokens elsewhere
     assert merged == matched if kind == "repeat" else merged > {"rename": 1.05, "edit": 1.2}[kind] * matched
