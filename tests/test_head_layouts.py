@@ -168,6 +168,47 @@ def test_a_kept_head_whose_norms_drifted_in_training_is_read_as_shifted(fixture_
                                np.array(want, dtype=np.float32), atol=1e-3)
 
 
+def _set_norm_means(folder, means):
+    """Give each norm of an HF checkpoint named (by ending) in `means` that mean, as an HF
+    zero-centred weight (effective mean - 1), keeping its spread."""
+    for shard in folder.glob("*.safetensors"):
+        t = dict(mx.load(str(shard)))
+        for name in list(t):
+            ending = next((e for e in means if name.endswith(e)), None)
+            if ending is not None:
+                t[name] = t[name] - t[name].mean() + (means[ending] - 1.0)
+        mx.save_safetensors(str(shard), t, metadata={"format": "pt"})
+
+
+def test_a_trained_heads_norm_far_from_the_final_norm_but_like_the_models_own_loads(fixture_model, tmp_path):
+    """The effective means of a trained demo's norms: its head's post-attention norm (0.87)
+    sits 0.6 below the final norm (1.48) but among the model's own post-attention norms
+    (0.75-1.09); the head loads, shifted once."""
+    target = tmp_path / "trained"
+    shutil.copytree(fixture_model("qwen3_5")["hf"], target)
+    _set_norm_means(target, {"model.language_model.norm.weight": 1.48, "mtp.norm.weight": 1.38,
+                             "mtp.layers.0.post_attention_layernorm.weight": 0.87,
+                             "layers.0.post_attention_layernorm.weight": 0.75,
+                             "layers.1.post_attention_layernorm.weight": 1.09})
+    head = load(str(target))[0].head
+    got = float(head.layers[0].post_attention_layernorm.weight.astype(mx.float32).mean())
+    assert got == pytest.approx(0.87, abs=1e-3)
+
+
+def test_a_head_shifted_all_but_its_pre_fc_norms_is_refused_by_name(fixture_model, tmp_path):
+    """Mixed conventions give 0% acceptance: a head stored shifted except its two pre-fc
+    norms reads as shifted, and those two then sit ~1 below every norm of the model."""
+    target = tmp_path / "mixed"
+    shutil.copytree(fixture_model("qwen3_5")["hf"], target)
+    for shard in target.glob("*.safetensors"):
+        t = dict(mx.load(str(shard)))
+        for k in [k for k in t if k.startswith("mtp.") and hf_head.is_zero_centred_norm(k[4:])]:
+            t[k] = t[k] + (0.0 if "pre_fc" in k else 1.0)
+        mx.save_safetensors(str(shard), t, metadata={"format": "pt"})
+    with pytest.raises(MTPLoadError, match=r"pre_fc_norm_\w+\.weight looks never shifted"):
+        load(str(target))
+
+
 def test_unreadable_foreign_heads_are_refused_by_name(tmp_path):
     folder = _demo_without_head(tmp_path)
     (folder / "mtp.safetensors").write_bytes(b"\xff" * 20)  # no safetensors header

@@ -14,7 +14,7 @@ shift_norms=False)`; the loader decides which from the values, models/head_layou
 
 `map_head_names` is the one statement of that mapping, by name only: `convert_hf_head`
 applies it to tensors in memory (the loader), the converter (convert/add_mtp_weights.py)
-to tensors it reads a piece at a time. `misshifted_norms` checks the result.
+to tensors it reads a piece at a time. norm_convention.py checks the result.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import mlx.core as mx
 
@@ -227,37 +227,3 @@ def convert_hf_head(tensors: Dict[str, mx.array], shift_norms: bool = True) -> T
         gate = next(v for k, v in out.items() if k.endswith("switch_mlp.gate_proj.weight"))
         info["num_experts"] = gate.shape[0]
     return out, info
-
-
-# ---------------------------------------------------------------------------
-# The norm convention, checked
-# ---------------------------------------------------------------------------
-
-# A head norm whose effective mean sits this far from the reference, and within
-# NEAR_ONE of exactly 1 away, had its +1 applied twice (above) or never (below).
-MIN_OFFSET = 0.6
-NEAR_ONE = 0.4
-
-
-@dataclass(frozen=True)
-class MisshiftedNorm:
-    name: str
-    twice: bool  # True: ~1 above the reference (+1 applied twice); False: ~1 below (never)
-    mean: float  # mean effective weight of the head's norm
-    reference: float  # mean effective weight of the model's final norm
-
-
-def misshifted_norms(norms: Iterable[Tuple[str, mx.array]], reference: mx.array) -> Iterator[MisshiftedNorm]:
-    """The head norms (name, effective weight: after the +1) whose +1 shift was applied
-    twice or never.
-
-    `mtp.norm` plays the role of the backbone's final `norm` (both feed the lm_head), so
-    their effective weights have similar scale, and mlx-lm already got the backbone's
-    right: `reference` is the model's final norm weight. A head whose norms sit ~1 above
-    (or below) it had its +1 shift applied twice (or never)."""
-    ref = reference.astype(mx.float32).mean().item()
-    for name, w in norms:
-        mean = w.astype(mx.float32).mean().item()
-        diff = mean - ref
-        if abs(diff) > MIN_OFFSET and abs(abs(diff) - 1.0) < NEAR_ONE:
-            yield MisshiftedNorm(name, diff > 0, mean, ref)

@@ -7,7 +7,7 @@ from typing import Iterator, List, Tuple
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checkpoint import hf_head
+from ..checkpoint import hf_head, norm_convention
 from ..checkpoint.tensor_files import TensorReader
 from ..mlxlm.family import family_of, text_config, text_parts
 from .plan import AddMTPError, Plan
@@ -97,10 +97,12 @@ def _shape_problems(p: Plan, target, parts) -> List[str]:
 
 
 def _norm_problems(p: Plan, parts) -> List[str]:
-    """The rule of `models.head_build.check_norm_convention` (hf_head.misshifted_norms), before writing:
-    after our +1 the head's norms must sit near the target's (already shifted) final norm."""
+    """The rule of `models.head_build.check_norm_convention` (norm_convention.misshifted_norms),
+    before writing: after our +1 the head's norms must sit near the target's (already shifted)
+    norms of the same kind."""
     with cpu():
-        bad = list(hf_head.misshifted_norms(_source_norms(p), parts.backbone.norm.weight))
+        reference = norm_convention.norm_reference(parts.backbone)
+        bad = list(norm_convention.misshifted_norms(_source_norms(p), reference))
     return [f"source norm {n.name} looks "
             + ("already shifted (norms ~1-centred: converted or double-shifted)" if n.twice
                else "shifted the wrong way")

@@ -10,6 +10,7 @@ from typing import Optional
 import mlx.nn as nn
 
 from ..checkpoint import mtp_folder
+from ..checkpoint.norm_convention import norm_reference
 from ..checkpoint.token_list import DraftVocabError
 from ..mlxlm.family import TextParts, text_parts
 from .draft_vocab import DraftVocab, draft_token_ids
@@ -35,7 +36,7 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
     parts = text_parts(model)
     try:  # a head that cannot be read or built: as a missing one where MTP may fall back
-        found = read_head(model_dir, parts.backbone.norm.weight)
+        found = read_head(model_dir, norm_reference(parts.backbone))
         if found is not None:
             source, (weights, info, quantization) = found
             head = build_head(parts, weights, info, quantization)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from ..checkpoint import hf_head
+from ..checkpoint import hf_head, norm_convention
 from ..mlxlm.family import TextParts
 from . import head_layouts
 from .errors import MTPLoadError
@@ -87,14 +87,16 @@ def _check_fits(head: MTPHead, weights: Dict[str, mx.array]) -> None:
 
 
 def check_norm_convention(parts: TextParts, head: MTPHead) -> None:
-    """Refuse double-shifted (or never-shifted) head norms (see hf_head.misshifted_norms)."""
+    """Refuse double-shifted (or never-shifted) head norms (norm_convention.misshifted_norms)."""
     norms = ((name, w) for name, w in tree_flatten(head.parameters())
-             if name.endswith("norm.weight") and w.ndim == 1)
-    bad = next(hf_head.misshifted_norms(norms, parts.backbone.norm.weight), None)
+             if hf_head.is_zero_centred_norm(name) and w.ndim == 1)
+    reference = norm_convention.norm_reference(parts.backbone)
+    bad = next(norm_convention.misshifted_norms(norms, reference), None)
     if bad is not None:
+        lo, hi = bad.span
         raise MTPLoadError(
             f"MTP head norm {bad.name} looks {'shifted twice' if bad.twice else 'never shifted'} (mean "
-            f"effective weight {bad.mean:.2f} vs {bad.reference:.2f} for the model's final norm): the +1 "
+            f"effective weight {bad.mean:.2f}; the model's own norms of its kind: {lo:.2f}-{hi:.2f}): the +1 "
             "zero-centred RMSNorm shift must be applied exactly once. Rebuild the head with "
             "mlxmtp add-mtp-weights --force."
         )

@@ -7,9 +7,8 @@ names or MTPHead's, MLX-quantized layer by layer (`weight`, `scales`, `biases`),
 zero-centred norms shifted or not. What is not written down is read off the tensors:
 
 - the norm convention: the +1 shift moves every norm of the head by 1, so of the head
-  shifted and the head as stored, the one whose norms sit nearer the model's final norm
-  (on average over the norms) is the right one; a trained head's norms, taken one by one,
-  can sit 0.5 from it either way;
+  shifted and the head as stored, the one whose norms sit nearer the model's own norms of
+  the same kind (summed over the norms: checkpoint/norm_convention.py) is the right one;
 - the quantization of each layer: bits and group size from the packed weight's and the
   scales' widths against the layer's input size in the unquantized head.
 Only MLX's affine mode is read (it is the one with biases); another is refused by name.
@@ -23,17 +22,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..checkpoint import hf_head
+from ..checkpoint import hf_head, norm_convention
 
 
-def convert_settling_norms(tensors: Dict[str, mx.array], reference: mx.array):
+def convert_settling_norms(tensors: Dict[str, mx.array], reference: norm_convention.NormReference):
     """hf_head.convert_hf_head of `tensors`, the +1 norm shift left out where the head's
-    norms sit nearer `reference` (the model's final norm) without it than with it."""
+    norms sit nearer the model's norms (`reference`) without it than with it."""
     weights, info = hf_head.convert_hf_head(tensors)
-    ref = reference.astype(mx.float32).mean().item()
-    means = [w.astype(mx.float32).mean().item() for name, w in weights.items()
-             if hf_head.is_zero_centred_norm(name) and w.ndim == 1]
-    if means and sum(abs(m - 1.0 - ref) for m in means) < sum(abs(m - ref) for m in means):
+    norms = {name: w for name, w in weights.items() if hf_head.is_zero_centred_norm(name) and w.ndim == 1}
+    if norm_convention.shifted_already(norms, reference):
         weights, info = hf_head.convert_hf_head(tensors, shift_norms=False)
     return weights, info
 

@@ -12,6 +12,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from ..checkpoint import hf_head, mtp_folder
+from ..checkpoint.norm_convention import NormReference
 from . import head_layouts
 from .errors import MTPLoadError
 
@@ -58,26 +59,26 @@ def _unreadable_head(model_dir: Path, why: str) -> str:
             f"--model {model_dir} --source <BF16 HF checkpoint or repo id> --force")
 
 
-def read_head(model_dir: Path, reference_norm: mx.array) -> Optional[tuple]:
+def read_head(model_dir: Path, reference_norms: NormReference) -> Optional[tuple]:
     """(HeadSource, head_weights(...)) of the model's head, None when it has none; a head
     whose files cannot be read (cut short, another format) is an MTPLoadError."""
     source = locate_head(model_dir)
     if source is None:
         return None
     try:
-        return source, head_weights(source, reference_norm)
+        return source, head_weights(source, reference_norms)
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # RuntimeError: MLX's safetensors reader
         raise MTPLoadError(_unreadable_head(model_dir, str(e))) from e
 
 
-def head_weights(source: HeadSource, reference_norm: mx.array) -> tuple[Dict[str, mx.array], dict, Optional[dict]]:
+def head_weights(source: HeadSource, reference_norms: NormReference) -> tuple[Dict[str, mx.array], dict, Optional[dict]]:
     """(parameters in MTPHead naming, layout info, quantization) for a located head;
     `mtp.*` tensors' norms are shifted unless they were already (head_layouts.py: judged
-    against `reference_norm`, the model's final norm weight)."""
+    against `reference_norms`, the model's own)."""
     if source.location == "mtp_folder":
         config, weights = mtp_folder.read_mtp_folder(source.path.parent)
         info = {k: config[k] for k in HEAD_CONFIG_KEYS}
         return weights, info, config.get("quantization")
     tensors = hf_head.load_mtp_tensors(source.path, source.tensors)
-    weights, info = head_layouts.convert_settling_norms(tensors, reference_norm)
+    weights, info = head_layouts.convert_settling_norms(tensors, reference_norms)
     return weights, info, None
