@@ -425,7 +425,8 @@ class _Scripted(Policy):
     def choose(self, batch_size, limit=None, classes=None, requests=None):
         return min(self.depths.pop(0) if self.depths else 0, limit if limit is not None else 8)
 
-    def update(self, k, batch_size, seconds, kept_per_row, classes=None, switch_seconds=None, head=True, requests=None):
+    def update(self, k, batch_size, seconds, kept_per_row, classes=None, switch_seconds=None, head=True, requests=None,
+               chances=None):
         self.calls.append((k, seconds))
 
     def plain_regime(self):

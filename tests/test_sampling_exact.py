@@ -252,7 +252,7 @@ def test_vectorised_rows_decide_as_row_by_row(k):
             drafts = mx.concatenate([drafts, tok.astype(mx.int32)[:, None]], axis=1)
             qs.append(q)
         q = mx.stack(qs, axis=1) if qs else None
-        kept, tokens, _ = accept(VerifyMetadata(drafts, q, samplers, [[1, 2]] * B, list(range(B)), None), logits)
+        kept, tokens, _, _ = accept(VerifyMetadata(drafts, q, samplers, [[1, 2]] * B, list(range(B)), None), logits)
         return drafts, q, kept, tokens
 
     mine, theirs = run(False), run(True)
@@ -348,7 +348,7 @@ def _pick_and_accept_nodes(params, k=3, V=500):
     tok, q = picker(samplers, [[0]] * B, [0] * B)(0, logits[:, 0], mx.zeros((B, 0), mx.int32))
     drafts = mx.zeros((B, k), mx.int32)
     qs = mx.broadcast_to(q[:, None], (B, k, V))
-    kept, tokens, _ = accept(VerifyMetadata(drafts, qs, samplers, [[0]] * B, [0] * B, None), logits)
+    kept, tokens, _, _ = accept(VerifyMetadata(drafts, qs, samplers, [[0]] * B, [0] * B, None), logits)
     return _graph_nodes(tok, q), _graph_nodes(kept, tokens)
 
 

@@ -74,8 +74,9 @@ class SharedPolicy(Policy):
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
-               head: bool = True, requests: Optional[Sequence[Hashable]] = None) -> None:
-        self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds, head, requests)
+               head: bool = True, requests: Optional[Sequence[Hashable]] = None,
+               chances: Optional[List[List[float]]] = None) -> None:
+        self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds, head, requests, chances)
 
     def request_started(self, cls: Hashable, request: Hashable = None) -> None:
         self.inner.request_started(cls, request)

@@ -293,7 +293,7 @@ class BatchGenerator:
                 self.proposer.after_verify(self.batch, rec, tokens, consumed)
         for row in rec.rows:
             row.y = row.tokens[-1]
-        self.clock.finish(rec, self.policy, kept)
+        self.clock.finish(rec, self.policy, kept, cycle.keep_chances(rec))
         self.cycles += 1
         self.last_depth = rec.k
         scheduler.store_finished(self.prefix_cache, self.batch, finished, rec.k, self._inflight)

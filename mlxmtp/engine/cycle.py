@@ -50,13 +50,17 @@ class Cycle:
     synchronous: bool = False  # evaluated and read in the call that built it
     built: float = 0.0  # graph built (synchronous cycles)
     computed: float = 0.0  # device done (synchronous cycles)
+    # [B, k] each draft's chance of being kept once reached (sampling/accept.keep_chances):
+    # what the depth policy learns acceptance from; None where no row samples.
+    chances: Optional[mx.array] = None
 
     def select(self, keep: List[int]) -> "Cycle":
         idx = mx.array(keep, dtype=mx.int32)
         return Cycle([self.rows[i] for i in keep], self.k, self.kept[idx], self.tokens[idx],
                      None if self.lps is None else self.lps[idx], self.hidden[idx],
                      [r.select(idx) for r in self.records], self.t0, self.pipelined,
-                     [self.drafted[i] for i in keep] if self.drafted else [])
+                     [self.drafted[i] for i in keep] if self.drafted else [],
+                     chances=None if self.chances is None else self.chances[idx])
 
 
 def choose_depth(policy, rows: List[Row], proposer) -> Tuple[int, str]:
@@ -122,8 +126,9 @@ def verify(pieces: ModelPieces, cache: ModelCache, rows: List[Row], ys: mx.array
         records = rec.layers
     else:
         logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
-    kept, tokens, lps = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled, sampling), logits)
-    return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined, drafted or [])
+    kept, tokens, lps, chances = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled, sampling),
+                                        logits)
+    return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined, drafted or [], chances=chances)
 
 
 def evaluate(rec: Cycle, batch: Batch) -> None:
@@ -131,14 +136,19 @@ def evaluate(rec: Cycle, batch: Batch) -> None:
     # The caches are evaluated with the tokens: the work is due anyway, and leaving it
     # lazy would bill this cycle's cost to the next one (and skew the depth policy).
     rec.built, rec.synchronous = time.perf_counter(), True
-    mx.eval(rec.kept, rec.tokens, *([rec.lps] if rec.lps is not None else []),
+    mx.eval(rec.kept, rec.tokens, *_results(rec),
             *batch.cache.arrays(), *(batch.head_cache.arrays() if batch.head_cache else []))
     rec.computed = time.perf_counter()
 
 
 def start(rec: Cycle) -> None:
     """Queue a pipelined cycle on the device without waiting for it."""
-    mx.async_eval(rec.tokens, rec.kept, *([rec.lps] if rec.lps is not None else []))
+    mx.async_eval(rec.tokens, rec.kept, *_results(rec))
+
+
+def _results(rec: Cycle) -> list:
+    """The cycle's arrays read on the host besides its kept counts and tokens."""
+    return [a for a in (rec.lps, rec.chances) if a is not None]
 
 
 def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
@@ -147,6 +157,12 @@ def read(rec: Cycle) -> Tuple[List[int], List[List[int]], Optional[list]]:
     # would wait behind the next cycle already queued on the device).
     kept = rec.kept.tolist() if rec.k else [0] * len(rec.rows)
     return kept, rec.tokens.tolist(), rec.lps.tolist() if rec.lps is not None else None
+
+
+def keep_chances(rec: Cycle) -> Optional[List[List[float]]]:
+    """Per row, each draft's chance of being kept once reached (after `read`); None where
+    no row samples (the drafts kept tell it) and in plain decoding."""
+    return rec.chances.tolist() if rec.chances is not None else None
 
 
 def roll_back(rec: Cycle, batch: Batch, consumed: List[int]) -> None:

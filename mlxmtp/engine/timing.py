@@ -37,8 +37,9 @@ class CycleClock:
         """The next cycle follows something that is not a decode cycle: do not time it."""
         self.mode = None
 
-    def finish(self, rec, policy, kept: List[int]) -> None:
-        """A cycle `rec` (cycle.Cycle) was read: report it to the policy, bill its rows."""
+    def finish(self, rec, policy, kept: List[int], chances: Optional[List[List[float]]] = None) -> None:
+        """A cycle `rec` (cycle.Cycle) was read: report it to the policy (with its drafts'
+        keep chances, cycle.keep_chances), bill its rows."""
         rows, B = rec.rows, len(rec.rows)
         now = time.perf_counter()
         dt = now - max(rec.t0, self.last_finish)
@@ -56,7 +57,8 @@ class CycleClock:
             policy.update(rec.k, B, dt if rec.synchronous else None, kept, acceptance_classes(rows), head=False)
         else:
             policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
-                          switch_seconds=interval if self.switched else None, requests=[r.req.id for r in rows])
+                          switch_seconds=interval if self.switched else None, requests=[r.req.id for r in rows],
+                          chances=chances)
         self.switched = False
         self.mode = None if suffix else mode
         self.last_finish = now

@@ -84,9 +84,11 @@ class Acceptance:
         return [t / len(classes) for t in total]
 
     def record(self, k: int, kept_per_row: List[int], classes: Sequence[Hashable],
-               requests: Optional[Sequence[Hashable]] = None) -> None:
+               requests: Optional[Sequence[Hashable]] = None, chances: Optional[List[List[float]]] = None) -> None:
         """One steady cycle of depth k > 0: the drafts each row (of the class and request at
-        the same index; without requests, each class counts as one) kept."""
+        the same index; without requests, each class counts as one) kept, and each draft's
+        chance of being kept once reached (None: the outcomes). A reached position counts
+        its chance as kept: its mean is the acceptance, with less noise than the outcome."""
         self._memo.clear()
         # Every position forgets at the same pace, drafted this cycle or not: what was
         # learnt of a depth long unused grows uncertain again (and is re-explored when
@@ -95,14 +97,13 @@ class Acceptance:
             for i in range(1, self.max_depth + 1):
                 counts[i] *= self.decay
         self._first_tried.update(classes)
-        self.requests.record(kept_per_row, requests or classes)
-        for kept, cls in zip(kept_per_row, classes):
+        chances = chances or [[float(kept > i) for i in range(k)] for kept in kept_per_row]
+        self.requests.record([row[0] for row in chances], requests or classes)
+        for kept, chance, cls in zip(kept_per_row, chances, classes):
             kept_c, tried_c = self._counts((cls, k))
-            for i in range(1, k + 1):
-                if kept >= i - 1:  # position i was reached
-                    tried_c[i] += 1
-                    if kept >= i:
-                        kept_c[i] += 1
+            for i in range(1, min(kept + 1, k) + 1):  # the positions reached
+                tried_c[i] += 1
+                kept_c[i] += chance[i - 1]
 
     def first_drafts_tried(self, cls: Hashable) -> int:
         """How many first drafts rows of class `cls` have had tried, ever (not decayed)."""

@@ -285,16 +285,16 @@ class DepthPolicy(Policy):
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
-               head: bool = True, requests: Optional[Sequence[Hashable]] = None) -> None:
-        """Record one cycle: its depth, wall time (None: not timed), the drafts each row kept,
-        each row's acceptance class, for the first drafting cycle after plain decoding (not
-        timed as a cycle) its wall time, and whether its drafts were the head's (else only its cost counts)."""
+               head: bool = True, requests: Optional[Sequence[Hashable]] = None,
+               chances: Optional[List[List[float]]] = None) -> None:
+        """Record one cycle (Policy.update); only a cycle of the head's drafts teaches acceptance."""
         key = cost_key(batch_size, classes)
         self.switch.update(k, key, seconds if head else None, switch_seconds, self._costs)
         # Acceptance is learnt from cycles that follow one of the same depth (the steady
         # state of that depth: see probes.plan).
         steady, self._last_k = k == self._last_k, k if head else None
         if k > 0 and steady and head:
-            self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row), requests)
+            self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row), requests,
+                               chances if self.cfg.keep_chances else None)
         if seconds is not None and seconds > 0:
             self._costs(key).add(k, seconds, self.cycles)

@@ -49,10 +49,13 @@ class Policy:
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,
-               head: bool = True, requests: Optional[Sequence[Hashable]] = None) -> None:
+               head: bool = True, requests: Optional[Sequence[Hashable]] = None,
+               chances: Optional[List[List[float]]] = None) -> None:
         """One cycle was read: its depth, its wall time (None: not timed), the drafts each
-        row kept, for the first drafting cycle after plain decoding its wall time, and whether
-        its drafts were the head's (a cycle of model-free drafts teaches its cost only)."""
+        row kept, for the first drafting cycle after plain decoding its wall time, whether
+        its drafts were the head's (a cycle of model-free drafts teaches its cost only), and
+        per row each draft's chance of being kept once reached (sampling/accept.keep_chances;
+        None: the drafts kept are the outcomes)."""
 
     def request_started(self, cls: Hashable, request: Hashable = None) -> None:
         """A request (id `request`) of acceptance class `cls` has its first decode cycle next."""

@@ -88,7 +88,7 @@ class _Rows:
     def accept(self, logits: mx.array, drafts: mx.array, q: Optional[mx.array], compiled: bool):
         """(kept, tokens) of the engine's accept step for these rows."""
         meta = VerifyMetadata(drafts, q, self.samplers, self.contexts, self.ids, None, compiled=compiled)
-        kept, tokens, _ = accept(meta, logits)
+        kept, tokens, _, _ = accept(meta, logits)
         return kept, tokens
 
 

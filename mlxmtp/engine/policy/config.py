@@ -27,6 +27,7 @@ class PolicyConfig:
     cost_noise: float = 0.1  # spread of a cycle-cost ratio's log assumed until the machine's noise is measured
     caution: float = 1.0  # standard errors a drafting depth's cost is raised by before it may beat plain decoding
     calibrate: bool = True  # measure cycle costs before the first cycle of a batch bucket
+    keep_chances: bool = True  # learn acceptance from sampled drafts' keep chances (sampling/accept.py), not outcomes
 
 
 # Why a cycle got its depth (DepthPolicy.why, the engine's stats and /metrics).

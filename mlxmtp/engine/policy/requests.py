@@ -31,12 +31,13 @@ class RequestAcceptance:
         while len(self._own) > self.keep:
             self._own.popitem(last=False)
 
-    def record(self, kept_per_row: List[int], requests: Sequence[Hashable]) -> None:
-        """One steady drafting cycle: the drafts each row (of the request at that index) kept."""
-        for kept, request in zip(kept_per_row, requests):
+    def record(self, first_chances: List[float], requests: Sequence[Hashable]) -> None:
+        """One steady drafting cycle: the chance each row's (of the request at that index)
+        first draft had of being kept (acceptance.Acceptance.record)."""
+        for chance, request in zip(first_chances, requests):
             own = self._own.get(request)
             if own is not None:
-                own[0] += kept >= 1
+                own[0] += chance
                 own[1] += 1
                 own[2] -= 1
 

@@ -9,6 +9,13 @@ argmax (rejection.accept_greedy), sampled rows by rejection sampling against the
 distribution q their drafts were drawn from (`picker`, from the same `BatchSampling`),
 reproducible rows by argmax agreement under positional noise (seeded.py). With no drafts
 (plain decoding) each row's token is one `BatchSampling.sample`, as a first token is.
+
+Each draft also gets its chance of being kept once reached (`keep_chances`), which the depth
+policy learns acceptance from: under rejection sampling that is min(1, p(x) / q(x)) of the
+drawn draft x, whose mean given the draft was reached is the acceptance probability itself,
+without the noise of the accept-or-reject coin (a request's first few drafts estimate its
+acceptance far more surely so); for the rows decided by argmax (greedy, reproducible), the
+outcome itself.
 """
 
 from __future__ import annotations
@@ -75,25 +82,27 @@ class VerifyMetadata:
         return self.drafts.shape[1]
 
 
-def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array], mx.array]:
     """Target logits [B, k+1, V] -> (kept drafts [B] int32, tokens [B, k+1] int32, logprob
-    tables [B, k+1, 1 + 2 * top_logprobs] or None). Row b emits tokens[b, : kept[b] + 1]."""
+    tables [B, k+1, 1 + 2 * top_logprobs] or None, keep_chances [B, k] float32 or None
+    where no row was decided by rejection sampling). Row b emits tokens[b, : kept[b] + 1]."""
     sampling = meta.sampling
     if meta.num_drafts == 0:
         tokens, _, processed = sampling.sample(logits[:, 0], meta.drafts, with_q=False)
         kept, tokens = mx.zeros((logits.shape[0],), dtype=mx.int32), tokens[:, None]
         processed = processed[:, None] if processed is not None else logits
+        chances = None
     else:
-        kept, tokens, processed = _decide(meta, logits)
+        kept, tokens, processed, chances = _decide(meta, logits)
     tokens = tokens.astype(mx.int32)
     tables = logprob_table(processed, tokens, meta.top_logprobs) if meta.top_logprobs is not None else None
     if sampling.reproducible:
         advance(sampling.samplers, kept)
-    return kept, tokens, tables
+    return kept, tokens, tables, chances
 
 
 def _decide(meta: VerifyMetadata, logits: mx.array):
-    """`accept` with drafts: (kept [B], tokens [B, k+1], the processed logits). Greedy rows
+    """`accept` with drafts: (kept [B], tokens [B, k+1], the processed logits, keep_chances [B, k]). Greedy rows
     keep drafts that match the argmax of their (processed) logits, sampled rows are decided
     by rejection sampling against the q their drafts came from; each row's result is
     picked by its kind."""
@@ -102,18 +111,34 @@ def _decide(meta: VerifyMetadata, logits: mx.array):
     processed, p, noise = sampling.target_p(logits, drafts)
     if p is None:  # every row greedy
         kept, tokens = accept_greedy(processed, drafts)
-        return kept, tokens, processed
-    if sampling.no_rejection:
+        return kept, tokens, processed, None
+    q = None if sampling.no_rejection else meta.draft_logprobs.astype(p.dtype)
+    if q is None:
         kept, tokens = mx.zeros(drafts.shape[:1], mx.int32), mx.zeros((drafts.shape[0], drafts.shape[1] + 1), mx.int32)
     else:
         u, g = noise()
-        kept, tokens = accept_sampled_rows(p, meta.draft_logprobs.astype(p.dtype), drafts, u, g)
+        kept, tokens = accept_sampled_rows(p, q, drafts, u, g)
     kept, tokens = decide(sampling.samplers, p, drafts, kept, tokens)  # the reproducible rows
     if sampling.greedy_mask is not None:
         kept_g, tokens_g = accept_greedy(processed, drafts)
         mask = sampling.greedy_mask
         kept, tokens = mx.where(mask, kept_g, kept), mx.where(mask[:, None], tokens_g, tokens)
-    return kept, tokens, processed
+    if meta.rule != "exact" or q is None:
+        return kept, tokens, processed, None
+    by_ratio = [not (g or s.reproducible) for g, s in zip(sampling.greedy, sampling.samplers)]
+    return kept, tokens, processed, keep_chances(kept, by_ratio, p, q, drafts)
+
+
+def keep_chances(kept: mx.array, by_ratio: List[bool], p: mx.array, q: mx.array, drafts: mx.array) -> mx.array:
+    """[B, k] float32: each draft's chance of being kept, given it was reached (read only
+    where it was: draft i of row b when kept[b] >= i). Rows `by_ratio` (decided by
+    rejection sampling against log-probabilities p [B, k+1, V], q [B, k, V]) get
+    min(1, p(x) / q(x)) of their draft x; the others 1 for a kept draft, 0 for the rejected."""
+    k = drafts.shape[1]
+    outcome = (mx.arange(k)[None, :] < kept[:, None]).astype(mx.float32)
+    rows, idx = mx.arange(drafts.shape[0])[:, None], mx.arange(k)[None, :]
+    ratio = mx.exp(mx.minimum(p[rows, idx, drafts] - q[rows, idx, drafts], 0.0)).astype(mx.float32)
+    return mx.where(mx.array(by_ratio)[:, None], ratio, outcome)
 
 
 def picker(samplers: List[RowSampler], contexts: List[List[int]], request_ids: List[int]):
