@@ -8,7 +8,8 @@ settings in reverse order every other round. Each adaptive setting keeps a polic
 for the whole run, as a server keeps one per model (what one request learns serves the next),
 so a change that only shows across requests (a class's history, a request's own first drafts)
 shows here. Sampled rows are seeded and reproducible, as in bench/decode.py: every setting
-writes the same text.
+writes the same text; `--rejection` samples as unseeded requests do (rejection sampling, each
+setting its own text), the rows whose drafts' keep chances the policy learns from.
 
     python bench/policy_ab.py --set request_weight=16 --temps 0.6 --rounds 6
 """
@@ -47,19 +48,19 @@ def use_policy(model, policy):
     model.policies[policy_key(policy.max_depth, None)] = policy
 
 
-def mlxmtp_side(model, tok, prompt, max_tokens, temp, seed, k, policy, stats):
+def mlxmtp_side(model, tok, prompt, max_tokens, temp, seed, k, policy, stats, same_text=True):
     """bench/decode.py's mlxmtp side (tokens per step, then None), on `policy` where given."""
     if policy is not None:
         use_policy(model, policy)
-    return decode.mlxmtp_tokens(model, tok, prompt, max_tokens, temp, seed, k, stats)
+    return decode.mlxmtp_tokens(model, tok, prompt, max_tokens, temp, seed, k, stats, same_text=same_text)
 
 
-def run_round(model, tok, ref, settings, prompt, temp, seed, max_tokens, reverse):
+def run_round(model, tok, ref, settings, prompt, temp, seed, max_tokens, reverse, same_text=True):
     """{label: (speed-up against the mlx-lm run beside it, the request's stats)} for one prompt."""
     out = {}
     for label, k, policy in (settings[::-1] if reverse else settings):
         stats = {}
-        mine = mlxmtp_side(model, tok, prompt, max_tokens, temp, seed, k, policy, stats)
+        mine = mlxmtp_side(model, tok, prompt, max_tokens, temp, seed, k, policy, stats, same_text)
         theirs = (decode.mlx_lm_tokens(ref, tok, prompt, max_tokens, temp, seed), None)
         res, base = decode.interleaved([mine, theirs])
         out[label] = (res["tps"] / base["tps"], stats.get("stats") or {})
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--depth", type=int, default=2, help="the fixed depth beside them")
     ap.add_argument("--max-tokens", type=int, default=150)
+    ap.add_argument("--rejection", action="store_true",
+                    help="sample as unseeded requests do (each setting writes its own text) instead of seeded")
     args = ap.parse_args()
     variant = variant_config(args.set)
     path = str(demo_model_path())
@@ -108,12 +111,13 @@ def main():
                 ("adaptive, " + ", ".join(args.set), "adaptive", changed)]
     for temp in [float(t) for t in args.temps.split(",")]:
         for _, k, policy in settings:  # warm-up, as bench/decode.py's; the policies calibrate here
-            for _ in mlxmtp_side(model, tok, prompts[0], args.max_tokens, temp, 0, k, policy, {})[0]:
+            for _ in mlxmtp_side(model, tok, prompts[0], args.max_tokens, temp, 0, k, policy, {}, not args.rejection)[0]:
                 pass
         ratios = {label: [] for label, _, _ in settings}
         plain = {label: 0 for label, k, _ in settings if k == "adaptive"}
         for r in range(args.rounds):
-            got = run_round(model, tok, ref, settings, prompts[r % len(prompts)], temp, r, args.max_tokens, r % 2 == 1)
+            got = run_round(model, tok, ref, settings, prompts[r % len(prompts)], temp, r, args.max_tokens, r % 2 == 1,
+                            not args.rejection)
             for label, (ratio, stats) in got.items():
                 ratios[label].append(ratio)
                 if label in plain:

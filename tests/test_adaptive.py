@@ -9,10 +9,11 @@ import pytest
 from mlxmtp.engine.policy.acceptance import Acceptance
 from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.base import Policy
+from mlxmtp.engine.policy.config import PolicyConfig
 
 
 def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None,
-             switch=0.0, by_class=False, calibrated=None, starts=()):
+             switch=0.0, by_class=False, calibrated=None, starts=(), config=None, chances=False):
     """Drive a policy with cycles whose cost is cost(k) * speed(i) (`by_class`: cost(k, class)),
     seen through lognormal
     noise, and whose drafts are kept with probability accept (a number, or a list per
@@ -21,9 +22,12 @@ def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, b
     the depth chosen per cycle and the tokens per unit of cost (speed factored out).
     `calibrated`: seconds per depth the engine's start-up calibration seeds the policy with;
     `starts`: the cycles at which a new request starts (the engine calls request_started; the
-    rows are then told apart by request, else by class only)."""
+    rows are then told apart by request, else by class only); `config`: the policy's
+    PolicyConfig; `chances`: each draft's probability of being kept varies from draft to
+    draft (a Beta of mean accept whose spread is a fifth of a coin's), and is reported as its
+    keep chance (as sampled rows' are, sampling/accept.keep_chances)."""
     rng = random.Random(seed)
-    pol = DepthPolicy()
+    pol = DepthPolicy(config=config)
     if calibrated is not None:
         pol.seed_costs(batch, calibrated)
     chosen, tokens, seconds = [], 0, 0.0
@@ -38,7 +42,9 @@ def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, b
         k = pol.choose(batch, classes=classes, requests=requests)
         a = accept(i) if callable(accept) else accept
         a = a if isinstance(a, list) else [a] * k
-        kept = [next((j for j in range(k) if rng.random() >= a[j]), k) for _ in range(batch)]
+        drawn = [[rng.betavariate(4 * x, 4 * (1 - x)) if chances and 0 < x < 1 else x for x in a[:k]]
+                 for _ in range(batch)]
+        kept = [next((j for j in range(k) if rng.random() >= c[j]), k) for c in drawn]
         switched = prev == 0 and k > 0
         t = (cost(k, cls(i)) if by_class else cost(k) + switch * switched) * speed(i)
         # Like the engine: the first cycle after a switch between plain and drafting is not
@@ -46,7 +52,7 @@ def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, b
         timed = prev is not None and (prev == 0) == (k == 0)
         seen = t * rng.lognormvariate(0, noise)  # what it sees is noisy
         pol.update(k, batch, seen if timed else None, kept, classes, switch_seconds=seen if switched else None,
-                   requests=requests)
+                   requests=requests, chances=drawn if chances and k else None)
         prev = k
         chosen.append(k)
         tokens += sum(kept) + batch
@@ -607,3 +613,24 @@ def test_noisy_costs_at_a_new_batch_size_do_not_buy_drafting_that_loses(seed):
     cost = lambda k: 1.0 + 0.75 * k  # noqa: E731
     chosen, tps = simulate(cost, 0.7, cycles=300, noise=0.2, seed=seed, batch=4)
     assert tps / 4 > 0.94
+
+
+@pytest.mark.parametrize("accept", [0.5, 0.7])
+def test_sampled_drafts_keep_chances_keep_unlucky_requests_drafting(accept):
+    """A request every 150 cycles, drafting paying 10-30% (c(k) = 1 + 0.3k): a request whose
+    first coins fell badly goes plain when the policy learns from outcomes; from the drafts'
+    keep chances (the same draws) it decodes plainly far less and is never as far from the
+    best rate (8 seeds)."""
+    def cost(k):
+        return 1.0 + 0.3 * k
+
+    best = max(sum(accept**i for i in range(k + 1)) / cost(k) for k in range(5))
+    runs = {}
+    for use in (False, True):
+        runs[use] = [simulate(cost, accept, cycles=1200, seed=seed, calibrated={k: cost(k) for k in range(5)},
+                              starts=range(0, 1200, 150), config=PolicyConfig(keep_chances=use), chances=True)
+                     for seed in range(8)]
+    plain = {use: sum(chosen.count(0) for chosen, _ in r) for use, r in runs.items()}
+    worst = {use: min(tps for _, tps in r) / best for use, r in runs.items()}
+    assert plain[True] < 0.7 * plain[False]
+    assert worst[True] > worst[False] and worst[True] > 0.9
