@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from ..checkpoint import hf_head, mtp_folder
+from ..checkpoint.norm_convention import norm_reference
 from ..checkpoint.tensor_files import TensorReader, nbytes
 from ..mlxlm.family import text_parts
 from ..models.errors import MTPLoadError
@@ -109,8 +110,9 @@ def check_loads(p: Plan, target, weights: Dict[str, mx.array]) -> None:
     """Build the head exactly as `mlxmtp.load` will (quantize_like + strict load) before writing."""
     with cpu():
         try:
-            head = build_head(text_parts(target), weights, p.info, p.quantization)
-            check_norm_convention(text_parts(target), head)
+            parts = text_parts(target)
+            head = build_head(parts, weights, p.info, p.quantization)
+            check_norm_convention(norm_reference(parts.backbone), head)
         except MTPLoadError as e:
             raise AddMTPError(f"the converted head would not load: {e}") from e
 

@@ -36,11 +36,12 @@ def attach_mtp(model: nn.Module, model_dir: Path, *, hidden_state: str = "post_n
         raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}")
     parts = text_parts(model)
     try:  # a head that cannot be read or built: as a missing one where MTP may fall back
-        found = read_head(model_dir, norm_reference(parts.backbone))
+        reference = norm_reference(parts.backbone)  # the model's own norms: the head's are judged by them
+        found = read_head(model_dir, reference)
         if found is not None:
             source, (weights, info, quantization) = found
             head = build_head(parts, weights, info, quantization)
-            check_norm_convention(parts, head)
+            check_norm_convention(reference, head)
     except MTPLoadError as e:
         if required:
             raise

@@ -86,11 +86,11 @@ def _check_fits(head: MTPHead, weights: Dict[str, mx.array]) -> None:
     )
 
 
-def check_norm_convention(parts: TextParts, head: MTPHead) -> None:
-    """Refuse double-shifted (or never-shifted) head norms (norm_convention.misshifted_norms)."""
+def check_norm_convention(reference: norm_convention.NormReference, head: MTPHead) -> None:
+    """Refuse double-shifted (or never-shifted) head norms (norm_convention.misshifted_norms);
+    `reference`: the model's own norms (norm_convention.norm_reference)."""
     norms = ((name, w) for name, w in tree_flatten(head.parameters())
              if hf_head.is_zero_centred_norm(name) and w.ndim == 1)
-    reference = norm_convention.norm_reference(parts.backbone)
     bad = next(norm_convention.misshifted_norms(norms, reference), None)
     if bad is not None:
         lo, hi = bad.span
