@@ -8,6 +8,9 @@ plain cycles (the first after plain decoding SWITCH more), seen through lognorma
 (`--noise`); a request's first draft is kept 57% of the time in its answer's first 16 tokens,
 66% up to 64 and 72% after, shifted per request by a normal offset; deeper drafts are kept a
 little more or less often than the first (SCENARIOS: the offset's spread and that difference).
+Each draft's own chance of being kept is drawn about that mean (a Beta whose spread is
+CHANCE_SPREAD of a coin's, as measured on the demo) and told to the policy, as the engine tells
+a sampled row's (engine/sampling/accept.keep_chances; `--set keep_chances=false` ignores it).
 Requests of 100-250 tokens come one after another to one policy, which learns from each as a
 server's does. Deterministic: a seed draws the same requests for every setting, and a
 variant's figures differ from the shipped policy's by what it decides.
@@ -35,6 +38,11 @@ COSTS = [1.0, 1.5, 1.9, 2.0, 2.4]  # plain cycles a cycle of depth k costs: the 
 SWITCH = 1.0  # plain cycles a first drafting cycle after plain decoding costs beyond its own (the head catches up)
 OPENING = [(16, 0.57), (64, 0.66), (None, 0.72)]  # first drafts kept, up to an answer's token n
 SCENARIOS = [dict(deeper=-0.05, spread=0.05), dict(deeper=0.0, spread=0.1)]
+# A draft's keep chance spreads 0.26 about its request's mean where its outcome spreads 0.32
+# (the demo, k = 2, T = 0.6: BENCHMARKS.md, keep chances): a Beta of mean m and sum of
+# parameters S spreads sqrt(1 / (S + 1)) of a coin's.
+CHANCE_SPREAD = 0.26 / 0.32
+BETA_SUM = 1 / CHANCE_SPREAD**2 - 1
 
 
 def first_kept(position: int, offset: float) -> float:
@@ -61,23 +69,25 @@ def run(seed: int, policy=None, fixed: int = 0, deeper: float = 0.0, spread: flo
             limit = length - position - 1
             k = min(fixed, limit) if policy is None else policy.choose(
                 1, limit=limit, classes=["sampled"], requests=[request])
-            kept = _kept(k, first_kept(position, offset), deeper, luck)
+            kept, chances = _kept(k, first_kept(position, offset), deeper, luck)
             switched = prev == 0 and k > 0
             paid = COSTS[k] + (SWITCH if switched else 0.0)
             seen = paid * luck.lognormvariate(0, noise)
             if policy is not None:  # timed as the engine times: not the first cycle after a switch
                 timed = prev is not None and (prev == 0) == (k == 0)
                 policy.update(k, 1, seen if timed else None, [kept], ["sampled"],
-                              switch_seconds=seen if switched else None, requests=[request])
+                              switch_seconds=seen if switched else None, requests=[request],
+                              chances=[chances] if k else None)
             prev, depths[k] = k, depths[k] + 1
             position, tokens, cost = position + kept + 1, tokens + kept + 1, cost + paid
     return tokens / cost, depths
 
 
-def _kept(k: int, first: float, deeper: float, luck: random.Random) -> int:
-    """Drafts kept of k: each in turn, until one is not."""
-    chance = [first] + [min(0.97, first + deeper)] * (k - 1)
-    return next((i for i in range(k) if luck.random() >= chance[i]), k)
+def _kept(k: int, first: float, deeper: float, luck: random.Random):
+    """(drafts kept of k: each in turn, until one is not; each draft's keep chance)."""
+    means = [first] + [min(0.97, first + deeper)] * (k - 1)
+    chances = [luck.betavariate(m * BETA_SUM, (1 - m) * BETA_SUM) for m in means]
+    return next((i for i in range(k) if luck.random() >= chances[i]), k), chances
 
 
 def scenario(make_policy, seeds: int, **kw):
