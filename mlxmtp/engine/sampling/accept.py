@@ -82,7 +82,7 @@ class VerifyMetadata:
         return self.drafts.shape[1]
 
 
-def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array], mx.array]:
+def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array], Optional[mx.array]]:
     """Target logits [B, k+1, V] -> (kept drafts [B] int32, tokens [B, k+1] int32, logprob
     tables [B, k+1, 1 + 2 * top_logprobs] or None, keep_chances [B, k] float32 or None
     where no row was decided by rejection sampling). Row b emits tokens[b, : kept[b] + 1]."""
@@ -102,10 +102,10 @@ def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, 
 
 
 def _decide(meta: VerifyMetadata, logits: mx.array):
-    """`accept` with drafts: (kept [B], tokens [B, k+1], the processed logits, keep_chances [B, k]). Greedy rows
-    keep drafts that match the argmax of their (processed) logits, sampled rows are decided
-    by rejection sampling against the q their drafts came from; each row's result is
-    picked by its kind."""
+    """`accept` with drafts: (kept [B], tokens [B, k+1], the processed logits, keep_chances
+    [B, k] or None). Greedy rows keep drafts that match the argmax of their (processed)
+    logits, sampled rows are decided by rejection sampling against the q their drafts came
+    from; each row's result is picked by its kind."""
     sampling, drafts = meta.sampling, meta.drafts
     accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
     processed, p, noise = sampling.target_p(logits, drafts)
