@@ -8,8 +8,9 @@ settings in reverse order every other round. Each adaptive setting keeps a polic
 for the whole run, as a server keeps one per model (what one request learns serves the next),
 so a change that only shows across requests (a class's history, a request's own first drafts)
 shows here. Sampled rows are seeded and reproducible, as in bench/decode.py: every setting
-writes the same text; `--rejection` samples as unseeded requests do (rejection sampling, each
-setting its own text), the rows whose drafts' keep chances the policy learns from.
+writes the same text (the policy learns from their drafts' chances under the shared noise);
+`--rejection` samples as unseeded requests do (rejection sampling, each setting its own text;
+the chances min(1, p(x) / q(x))).
 
     python bench/policy_ab.py --set request_weight=16 --temps 0.6 --rounds 6
 """

@@ -1,16 +1,19 @@
 """Each draft's chance of being kept (sampling/accept.keep_chances), which the depth policy
 learns acceptance from: for a sampled row min(1, p(x) / q(x)) of its draft x, whose mean is
-the acceptance itself with less noise than the accept-or-reject outcome; for a greedy row
+the acceptance itself with less noise than the accept-or-reject outcome; for a reproducible
+(seeded) row its chance under the shared noise (seeded.coupled_chances); for a greedy row
 the outcome."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlxmtp.engine.policy.acceptance import Acceptance
 from mlxmtp.engine.policy.base import Policy
 from mlxmtp.engine.sampling.accept import VerifyMetadata, accept
 from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.engine.sampling.row import RowSampler
+from mlxmtp.engine.sampling.seeded import position_gumbels
 
 
 def _accept(params, p_logits, drafts, q_logprobs):
@@ -37,6 +40,32 @@ def test_a_sampled_rows_chance_averages_to_its_acceptance_with_less_spread_than_
     for outcome in (chances[:, 0], kept):
         assert abs(outcome.mean() - acceptance) < 3 * outcome.std() / np.sqrt(B)
     assert chances.std() < 0.5 * kept.std()
+
+
+def test_a_reproducible_rows_chance_is_its_keep_probability_under_the_shared_noise():
+    """2000 seeded rows, each drafting argmax(log q + G) with its own noise G at the position
+    and kept while that is argmax(log p + G): for every draft value the rows' chance is the
+    closed form, and the share of those rows kept matches it; the chances average to the
+    outcomes with a fraction of their spread."""
+    V, B = 6, 2000
+    p = np.array([0.5, 0.25, 0.1, 0.1, 0.04, 0.01])
+    q = np.array([0.7, 0.1, 0.1, 0.05, 0.03, 0.02])
+    samplers = [RowSampler(SamplingParams(temperature=1.0, seed=b, reproducible=True)) for b in range(B)]
+    log_q = mx.array(np.log(q), dtype=mx.float32)
+    drafts = mx.argmax(log_q + position_gumbels(samplers, 1, V)[:, 0], axis=-1)[:, None]
+    meta = VerifyMetadata(drafts.astype(mx.int32), mx.broadcast_to(log_q, (B, 1, V)), samplers, [[1]] * B,
+                          list(range(B)), None)
+    kept, _, _, chances = accept(meta, mx.broadcast_to(mx.array(np.log(p), dtype=mx.float32), (B, 2, V)))
+    kept, chances, drafts = np.array(kept), np.array(chances)[:, 0], np.array(drafts)[:, 0]
+    for x in range(V):
+        rows = drafts == x
+        closed_form = p[x] / (p[x] + np.maximum(p * q[x] - q * p[x], 0.0).sum())
+        np.testing.assert_allclose(chances[rows], closed_form, rtol=1e-5)
+        if rows.sum() >= 50:
+            share = kept[rows].mean()
+            assert abs(share - closed_form) < 3 * np.sqrt(closed_form * (1 - closed_form) / rows.sum()) + 1e-3
+    assert abs(chances.mean() - kept.mean()) < 3 * kept.std() / np.sqrt(B)
+    assert chances.std() < 0.6 * kept.std()
 
 
 def test_a_greedy_rows_chances_are_its_outcomes_beside_a_sampled_row():
@@ -84,9 +113,11 @@ class _Recording(Policy):
         return False
 
 
-def test_the_engine_reports_each_drafts_chance_to_the_policy(fixture_model):
-    """A sampled and a greedy request decoded together: every drafting cycle reports a chance
-    per row and draft; the greedy row's are its outcomes, the sampled row's are not all 0 or 1."""
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_the_engine_reports_each_drafts_chance_to_the_policy(fixture_model, reproducible):
+    """A sampled (unseeded, or seeded and reproducible) and a greedy request decoded together:
+    every drafting cycle reports a chance per row and draft; the greedy row's are its
+    outcomes, the sampled row's are not all 0 or 1."""
     from engine_helpers import loaded, prompt_of
 
     from mlxmtp.engine.batch import BatchGenerator
@@ -96,7 +127,7 @@ def test_the_engine_reports_each_drafts_chance_to_the_policy(fixture_model):
     eng = BatchGenerator(model, tok)
     eng.policy = _Recording()
     greedy = eng.submit(Request(prompt=prompt_of(12), max_tokens=24))
-    eng.submit(Request(prompt=prompt_of(10), max_tokens=24, params=SamplingParams(temperature=0.8, seed=3)))
+    eng.submit(Request(prompt=prompt_of(10), max_tokens=24, params=SamplingParams(temperature=0.8, seed=3, reproducible=reproducible)))
     while eng.has_work:
         eng.step()
     both = [r for r in eng.policy.reports if r[0] == 2 and len(r[1]) == 2]

@@ -14,8 +14,9 @@ Each draft also gets its chance of being kept once reached (`keep_chances`), whi
 policy learns acceptance from: under rejection sampling that is min(1, p(x) / q(x)) of the
 drawn draft x, whose mean given the draft was reached is the acceptance probability itself,
 without the noise of the accept-or-reject coin (a request's first few drafts estimate its
-acceptance far more surely so); for the rows decided by argmax (greedy, reproducible), the
-outcome itself.
+acceptance far more surely so); for reproducible rows, decided by argmax agreement under
+shared noise, the chance over that noise that the target's token is the draft
+(seeded.coupled_chances); for greedy rows the outcome itself.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .batch import BatchSampling
 from .logprobs import logprob_table
 from .rejection import rules
 from .row import RowSampler
-from .seeded import advance, decide
+from .seeded import advance, coupled_chances, decide
 
 
 @dataclass
@@ -123,22 +124,30 @@ def _decide(meta: VerifyMetadata, logits: mx.array):
         kept_g, tokens_g = accept_greedy(processed, drafts)
         mask = sampling.greedy_mask
         kept, tokens = mx.where(mask, kept_g, kept), mx.where(mask[:, None], tokens_g, tokens)
-    if meta.rule != "exact" or q is None:
+    if meta.rule != "exact" or meta.draft_logprobs is None:
         return kept, tokens, processed, None
     by_ratio = [not (g or s.reproducible) for g, s in zip(sampling.greedy, sampling.samplers)]
-    return kept, tokens, processed, keep_chances(kept, by_ratio, p, q, drafts)
+    q = meta.draft_logprobs.astype(p.dtype)
+    return kept, tokens, processed, keep_chances(kept, by_ratio, sampling.reproducible, p, q, drafts)
 
 
-def keep_chances(kept: mx.array, by_ratio: List[bool], p: mx.array, q: mx.array, drafts: mx.array) -> mx.array:
+def keep_chances(kept: mx.array, by_ratio: List[bool], coupled: List[int], p: mx.array, q: mx.array,
+                 drafts: mx.array) -> mx.array:
     """[B, k] float32: each draft's chance of being kept, given it was reached (read only
-    where it was: draft i of row b when kept[b] >= i). Rows `by_ratio` (decided by
-    rejection sampling against log-probabilities p [B, k+1, V], q [B, k, V]) get
-    min(1, p(x) / q(x)) of their draft x; the others 1 for a kept draft, 0 for the rejected."""
+    where it was: draft i of row b when kept[b] >= i), from log-probabilities p [B, k+1, V]
+    (the target's) and q [B, k, V] (the drafts'). Rows `by_ratio` (decided by rejection
+    sampling) get min(1, p(x) / q(x)) of their draft x; the rows `coupled` (reproducible:
+    decided by argmax agreement under shared noise) their chance over that noise
+    (seeded.coupled_chances); the others (greedy) 1 for a kept draft, 0 for the rejected."""
     k = drafts.shape[1]
     outcome = (mx.arange(k)[None, :] < kept[:, None]).astype(mx.float32)
     rows, idx = mx.arange(drafts.shape[0])[:, None], mx.arange(k)[None, :]
     ratio = mx.exp(mx.minimum(p[rows, idx, drafts] - q[rows, idx, drafts], 0.0)).astype(mx.float32)
-    return mx.where(mx.array(by_ratio)[:, None], ratio, outcome)
+    chances = mx.where(mx.array(by_ratio)[:, None], ratio, outcome)
+    if coupled:
+        at = mx.array(coupled)
+        chances[at] = coupled_chances(p[at, :k], q[at], drafts[at]).astype(mx.float32)
+    return chances
 
 
 def picker(samplers: List[RowSampler], contexts: List[List[int]], request_ids: List[int]):

@@ -70,6 +70,27 @@ def decide(samplers: Sequence, p_logprobs: mx.array, drafts: mx.array, kept: mx.
     return kept, tokens
 
 
+@mx.compile
+def coupled_chances(p: mx.array, q: mx.array, drafts: mx.array) -> mx.array:
+    """[R, k]: each draft's chance of being kept under shared noise, given the draft:
+    P(argmax(log p + G) = x | argmax(log q + G) = x) for reproducible rows' log-probabilities
+    p [R, k, V] (the target's at the drafted positions), q [R, k, V] (the draft's; a point
+    mass for a model-free draft) and drafts x [R, k].
+
+    Given x, the noise's maximum M = log q(x) + G(x) is a standard Gumbel (independent of
+    x) and each other log q(j) + G(j) a Gumbel truncated below M; the target keeps x when
+    every G(j) < M - log q(x) + log p(x) - log p(j), which given M happens with probability
+    exp(-e^-M S), S = sum_j max(0, p(j) q(x) / p(x) - q(j)). As e^-M is Exponential(1),
+    the chance is 1 / (1 + S) = p(x) / (p(x) + sum_j max(0, p(j) q(x) - q(j) p(x))): the
+    outcome's mean without the noise's coin (a point-mass draft's chance is p(x)).
+    """
+    P, Q = mx.exp(p), mx.exp(q)
+    px = mx.take_along_axis(P, drafts[..., None], axis=-1)
+    qx = mx.take_along_axis(Q, drafts[..., None], axis=-1)
+    over = mx.maximum(P * qx - Q * px, 0.0).sum(axis=-1)
+    return px[..., 0] / (px[..., 0] + over)
+
+
 def advance(samplers: Sequence, kept: mx.array) -> None:
     """Move each reproducible sampler past the kept[b] + 1 tokens its row emits this cycle
     (lazily: a pipelined cycle's next one is keyed before this one is read)."""
