@@ -262,3 +262,15 @@ def test_policy_sim_prices_plain_decoding_at_one_token_a_cycle_and_drafting_abov
         assert 1.1 < max(sim.run(0, fixed=k, **scenario)[0] for k in range(1, 5)) < 1.3
     worst, mean, plain = sim.scenario(DepthPolicy, 2, **sim.SCENARIOS[0])
     assert 0.7 < worst <= mean < 1.1 and 0 < plain < 1
+
+
+def test_sampling_ops_bench_builds_and_times_every_kind_of_row():
+    """bench/sampling_ops.py on a small vocabulary: each step of greedy, sampled and seeded
+    rows builds a graph and is timed; the seeded accept step evaluates the keep chances."""
+    ops = _bench_module("sampling_ops")
+    for temp, seeded in ((0.0, False), (0.6, False), (0.6, True)):
+        draft_step, accept_step = ops.steps(2, temp, seeded, 64)
+        for step in (draft_step, accept_step):
+            nodes, ms = ops.measure(step, reps=1)
+            assert nodes > 0 and ms >= 0
+        assert len(accept_step()) == (2 if temp == 0 else 3)  # kept, tokens (and the chances)
