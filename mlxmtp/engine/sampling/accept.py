@@ -86,7 +86,8 @@ class VerifyMetadata:
 def accept(meta: VerifyMetadata, logits: mx.array) -> Tuple[mx.array, mx.array, Optional[mx.array], Optional[mx.array]]:
     """Target logits [B, k+1, V] -> (kept drafts [B] int32, tokens [B, k+1] int32, logprob
     tables [B, k+1, 1 + 2 * top_logprobs] or None, keep_chances [B, k] float32 or None
-    where no row was decided by rejection sampling). Row b emits tokens[b, : kept[b] + 1]."""
+    where every row is greedy, in plain decoding, or under a rule other than "exact"). Row b
+    emits tokens[b, : kept[b] + 1]."""
     sampling = meta.sampling
     if meta.num_drafts == 0:
         tokens, _, processed = sampling.sample(logits[:, 0], meta.drafts, with_q=False)
@@ -106,15 +107,16 @@ def _decide(meta: VerifyMetadata, logits: mx.array):
     """`accept` with drafts: (kept [B], tokens [B, k+1], the processed logits, keep_chances
     [B, k] or None). Greedy rows keep drafts that match the argmax of their (processed)
     logits, sampled rows are decided by rejection sampling against the q their drafts came
-    from; each row's result is picked by its kind."""
+    from, reproducible rows by argmax agreement under their noise (seeded.decide); each row's
+    result is picked by its kind."""
     sampling, drafts = meta.sampling, meta.drafts
     accept_greedy, accept_sampled_rows = rules(meta.rule, meta.compiled)
     processed, p, noise = sampling.target_p(logits, drafts)
     if p is None:  # every row greedy
         kept, tokens = accept_greedy(processed, drafts)
         return kept, tokens, processed, None
-    q = None if sampling.no_rejection else meta.draft_logprobs.astype(p.dtype)
-    if q is None:
+    q = meta.draft_logprobs.astype(p.dtype) if meta.draft_logprobs is not None else None
+    if sampling.no_rejection:
         kept, tokens = mx.zeros(drafts.shape[:1], mx.int32), mx.zeros((drafts.shape[0], drafts.shape[1] + 1), mx.int32)
     else:
         u, g = noise()
@@ -124,10 +126,9 @@ def _decide(meta: VerifyMetadata, logits: mx.array):
         kept_g, tokens_g = accept_greedy(processed, drafts)
         mask = sampling.greedy_mask
         kept, tokens = mx.where(mask, kept_g, kept), mx.where(mask[:, None], tokens_g, tokens)
-    if meta.rule != "exact" or meta.draft_logprobs is None:
+    if meta.rule != "exact" or q is None:
         return kept, tokens, processed, None
     by_ratio = [not (g or s.reproducible) for g, s in zip(sampling.greedy, sampling.samplers)]
-    q = meta.draft_logprobs.astype(p.dtype)
     return kept, tokens, processed, keep_chances(kept, by_ratio, sampling.reproducible, p, q, drafts)
 
 
