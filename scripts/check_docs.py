@@ -1,5 +1,5 @@
 """Check the user documentation: every `mlxmtp serve` option is a row of the README's options
-table (and every row an option), and every relative link in README.md, docs/*.md and the demo
+table (and every row an option), and every relative link in README.md, BENCHMARKS.md, docs/*.md and the demo
 model's card points to an existing file (and heading, for `#anchor` links).
 
     python scripts/check_docs.py        # exit status 1 on any problem, each printed
@@ -61,7 +61,8 @@ def main() -> int:
     in_table, options = table_flags((ROOT / "README.md").read_text()), serve_flags()
     problems += [f"README.md: serve option {f} missing from the options table" for f in sorted(options - in_table)]
     problems += [f"README.md: {f} in the options table is no serve option" for f in sorted(in_table - options)]
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "mlxmtp/demo_model/README.md"]:
+    for path in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md")),
+                 ROOT / "mlxmtp/demo_model/README.md"]:
         problems += link_problems(path)
     print("\n".join(problems) or "docs: options table and links OK")
     return 1 if problems else 0
