@@ -1,6 +1,7 @@
 """Check the user documentation: every `mlxmtp serve` option is a row of the README's options
-table (and every row an option), and every relative link in README.md, BENCHMARKS.md, docs/*.md and the demo
-model's card points to an existing file (and heading, for `#anchor` links).
+table (and every row an option), and every relative link in README.md, BENCHMARKS.md,
+docs/*.md and the demo model's card points to an existing file (and heading, for `#anchor`
+links).
 
     python scripts/check_docs.py        # exit status 1 on any problem, each printed
 """
