@@ -131,8 +131,8 @@ def test_the_demo_model_too_and_a_seed_without_reproducible_draws_differs_by_dep
 @pytest.mark.slow
 def test_seeded_tokens_are_samples_of_the_model_s_distribution(fixture_model):
     """Over many seeds, the first tokens of reproducible requests drafted at k = 3 follow
-    the same distribution as plain sampling (two-sample chi-square at 99.9%,
-    positions 1 and 2: the draws of different positions must be independent too)."""
+    the same distribution as plain sampling (two-sample chi-square at 99.9%, at each of the
+    first three positions: the draws of different positions must be independent too)."""
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     n = 800
 
