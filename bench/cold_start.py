@@ -30,10 +30,11 @@ PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
 def run_once(model, setting: str, args) -> dict:
-    """One fresh process of `mlxmtp generate` with `setting` ('off', 'adaptive', a depth,
-    or 'baseline': adaptive, from the checkout `args.baseline`) -> its JSON output."""
+    """One fresh process of `mlxmtp generate` with `setting` ('off', 'adaptive', 'head alone',
+    a depth, or 'baseline' / 'baseline, head alone': those from the checkout `args.baseline`)
+    -> its JSON output."""
     env = dict(os.environ)
-    if setting == "baseline":
+    if setting.startswith("baseline"):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "mlxmtp.commands", "generate", "--prompt", args.prompt, "--no-chat-template",
            "--temp", str(args.temp), "--max-tokens", str(args.max_tokens), "--json"]
@@ -41,7 +42,7 @@ def run_once(model, setting: str, args) -> dict:
     cmd += ["--seed", "0"] if args.temp > 0 else []
     if setting == "off":
         cmd.append("--disable-mtp")
-    elif setting == "head alone":
+    elif setting.endswith("head alone"):
         cmd.append("--no-suffix")
     elif setting not in ("adaptive", "baseline"):
         cmd += ["--num-draft", setting]
@@ -54,7 +55,9 @@ def run_once(model, setting: str, args) -> dict:
 def measure(args) -> dict:
     """{setting: [decode tok/s of each round]} and {setting: [depths histogram]}."""
     settings = ["off", "adaptive", *(["head alone"] if args.head_alone else []),
-                *(["baseline"] if args.baseline else []), *[d for d in args.depths.split(",") if d]]
+                *(["baseline"] if args.baseline else []),
+                *(["baseline, head alone"] if args.baseline and args.head_alone else []),
+                *[d for d in args.depths.split(",") if d]]
     rates = {s: [] for s in settings}
     depths = {s: [] for s in settings}
     for r in range(args.rounds):

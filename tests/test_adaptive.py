@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from mlxmtp.engine.policy import probes
 from mlxmtp.engine.policy.acceptance import Acceptance
 from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.base import Policy
@@ -177,6 +178,32 @@ def test_a_dead_head_costs_little_however_many_requests_start():
     chosen, tps = simulate(cost, 0.0, cycles=1000, calibrated={k: cost(k) for k in range(5)},
                            starts=range(0, 1000, 100))
     assert sum(1 for k in chosen if k) < 80 and tps > 0.97
+
+
+def test_a_good_head_that_cannot_pay_learns_nothing_in_each_new_request():
+    # A verify of k+1 tokens costs k+1 steps (the 4-bit demo on a CPU): even drafts always kept
+    # only break even, so a head that keeps 92% can never pay. Each new request (every 80
+    # cycles) used to learn its own first drafts, and a depth chosen to learn lowered the bar
+    # for probing the deeper ones: 46-140 drafting cycles out of 800 on these seeds, 0.977 of
+    # plain decoding on average. Learning stops where no measured depth could pay.
+    cost = lambda k: 1.0 + k  # noqa: E731
+    drafting, rates = 0, []
+    for seed in range(5):
+        chosen, tps = simulate(cost, 0.92, cycles=800, seed=seed, calibrated={k: cost(k) for k in range(5)},
+                               starts=range(0, 800, 80))
+        drafting += sum(1 for k in chosen if k)
+        rates.append(tps)
+    assert drafting < 150 and sum(rates) / len(rates) > 0.99
+
+
+def test_a_probe_goes_first_to_a_depth_that_beats_the_regime_by_the_mean_estimates():
+    # Plain decoding holds while k = 2's cost is unsure (or its acceptance stale), though its
+    # mean rate beats it: k = 2 is the one to measure again, before k = 3, which only could
+    # beat plain decoding and was measured longer ago (probed first, at its poor mean rate it
+    # was probed rarely, and plain decoding held for a whole request).
+    mean, bound = {0: 1.05, 1: 1.03, 2: 1.08, 3: 0.89}, {0: 1.05, 1: 1.11, 2: 1.21, 3: 1.13}
+    assert probes.target([1, 2, 3], 0, mean, bound, {1: 50, 2: 40, 3: 10}) == 2
+    assert probes.target([1, 3], 0, mean, bound, {1: 50, 3: 10}) == 3  # else the least recently measured
 
 
 def test_each_request_estimates_its_first_draft_from_its_own_drafts():

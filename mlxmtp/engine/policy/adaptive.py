@@ -27,8 +27,8 @@ can be far off), so a depth that could beat the regime is probed long enough to 
 only by the line, probes climb one depth at a time (`probes.climb`).
 
 On a backend where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0)
-for every k > 0 and the policy settles on 0: as fast as MTP off, up to the probe cycles,
-which are then rare (not even perfect drafts could pay).
+for every k > 0 and the policy settles on 0, with rare probes and no request learning drafts
+of its own (not even perfect drafts could pay): as fast as MTP off.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class DepthPolicy(Policy):
         self.costs: Dict[Tuple[int, str], CycleCosts] = {}  # per cost_key: batch bucket and kind
         self.switch = SwitchCosts(cfg.window)  # in plain cycles, per cost_key
         self.cycles = 0
-        self.regime = 0  # the depth chosen outside probes, for the table in use (`_key`)
+        self.regime = 0  # the depth chosen on merit (not a probe, not learning), for the table in use (`_key`)
         self._key: Optional[Tuple[int, str]] = None  # the cost_key of the last choice
         self._regimes: Dict[Tuple[int, str], int] = {}  # the regime of every other table
         self._calibration: Dict[Tuple[int, str], int] = {}  # cost_key -> calibration cycles so far
@@ -154,11 +154,10 @@ class DepthPolicy(Policy):
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
         doubt = self._doubts(key, mean)
         judged = {k: r / doubt.get(k, 1.0) for k, r in mean.items()}  # each cost raised by its doubt
-        learn = self._learning(key, classes, requests, bound)
-        if learn is not None:
-            best, why = learn, LEARNING
-        else:
-            best, why = self._hold(key, best, judged)
+        learn = self._learning(key, classes, requests, bound, costs)
+        if learn is not None:  # not a choice on merit: the regime stays, and no probe starts
+            return self._because(LEARNING, learn)
+        best, why = self._hold(key, best, judged)
         self.regime = best
         if best > 0:  # plain decoding could beat the regime by as much as the regime's cost is unsure
             bound = {**bound, 0: mean[0] * doubt[best]}
@@ -168,17 +167,18 @@ class DepthPolicy(Policy):
         return self._because(why, best)
 
     def _learning(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]],
-                  bound: Dict[int, float]) -> Optional[int]:
+                  bound: Dict[int, float], costs: Dict[int, float]) -> Optional[int]:
         """The depth at which drafting goes on (None: none) whatever the mean estimates say, until the head's
         first drafts have been tried `learn_drafts` times for every class of the batch, and for a request's
         own first drafts (`request_started`): plain decoding chosen on the prior acceptance, or on a few
         unlucky drafts, teaches nothing about acceptance, and one noisy cost measurement could keep a
-        good head idle for a whole run (BENCHMARKS.md, cold start). Where: probes.learning_depth."""
+        good head idle for a whole run (BENCHMARKS.md, cold start). Where: probes.learning_depth. Nowhere
+        where not even drafts always kept, at a cost lowered by its doubt, could pay: nothing to teach."""
         unlearnt = min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
-        fresh = self.accept.fresh(classes, requests)
-        if not (unlearnt or fresh):
-            return None
         measured = [k for k in sorted(bound) if k > 0 and self._calibrated(key, k)]
+        fresh = self.accept.fresh(classes, requests)
+        if not (unlearnt or fresh) or probes.cannot_pay(measured, costs, bound[0], self._doubts(key, measured)):
+            return None
         thin = fresh and any(self.accept.evidence(cls) < self.cfg.settled for cls in set(classes))
         return probes.learning_depth(measured, bound, fresh, thin)
 
@@ -254,7 +254,7 @@ class DepthPolicy(Policy):
     def plain_regime(self) -> bool:
         """Whether the depth in use outside probes is plain decoding (the engine then keeps
         the head's pending inputs bounded instead of feeding them to the head)."""
-        return self.regime == 0
+        return self.regime == 0 and self.why != LEARNING
 
     def _because(self, why: str, k: int) -> int:
         self.why = why

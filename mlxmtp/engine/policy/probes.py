@@ -71,10 +71,12 @@ def fits(depths: List[int], limit: Optional[int]) -> bool:
 
 def target(others: List[int], best: int, mean: Dict[int, float], bound: Dict[int, float],
            measured_at: Dict[int, int]) -> int:
-    """The depth to probe: the least recently measured of those that could beat the
-    regime `best` (else of those within 25% of it, else the most promising one)."""
-    near = ([k for k in others if bound[k] > mean[best]] or [k for k in others if bound[k] > 0.75 * mean[best]]
-            or [max(others, key=bound.get)])
+    """The depth to probe: the least recently measured of those that beat the regime `best`
+    by the mean estimates (the regime holds only because their costs are unsure, or
+    their acceptance is stale: their own cycles settle both), else of those that could
+    beat it, else of those within 25% of it, else the most promising one."""
+    near = ([k for k in others if mean[k] > mean[best]] or [k for k in others if bound[k] > mean[best]]
+            or [k for k in others if bound[k] > 0.75 * mean[best]] or [max(others, key=bound.get)])
     return min(near, key=lambda k: measured_at.get(k, -1))
 
 
@@ -84,14 +86,17 @@ def forgone(cycles: int, alt: int, best: int, costs: Dict[int, float], mean: Dic
     return cycles * costs[alt] / costs[best] * max(0.0, 1.0 - mean[alt] / mean[best])
 
 
-def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float) -> bool:
+def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float,
+               doubt: Optional[Dict[int, float]] = None) -> bool:
     """Whether even drafts that are always kept would not beat plain decoding at any of
     the `measured` drafting depths (k+1 tokens for a verify costing about k+1 steps, as
-    on a backend whose verify grows linearly in its tokens). Acceptance then has nothing
+    on a backend whose verify grows linearly in its tokens), with each cost lowered by its
+    `doubt` where given (adaptive.DepthPolicy._doubts). Acceptance then has nothing
     to teach; only a change of the costs could, and those belong to the model and the
     machine. Only depths measured a few times count: a line through two noisy costs,
     taken out to a deep k, could otherwise let probes through."""
-    return bool(measured) and all((k + 1) / costs[k] <= plain_rate for k in measured)
+    doubt = doubt or {}
+    return bool(measured) and all((k + 1) * doubt.get(k, 1.0) / costs[k] <= plain_rate for k in measured)
 
 
 def spacing(loss: float, explore: float, least: int, most: int) -> int:
