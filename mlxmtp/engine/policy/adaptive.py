@@ -154,7 +154,7 @@ class DepthPolicy(Policy):
             best = max((k for k in mean if self._calibrated(key, k)), key=mean.get)
         doubt = self._doubts(key, mean)
         judged = {k: r / doubt.get(k, 1.0) for k, r in mean.items()}  # each cost raised by its doubt
-        learn = self._learning(key, classes, requests, bound, costs)
+        learn = self._learning(key, classes, requests, bound, costs, doubt)
         if learn is not None:  # not a choice on merit: the regime stays, and no probe starts
             return self._because(LEARNING, learn)
         best, why = self._hold(key, best, judged)
@@ -167,7 +167,7 @@ class DepthPolicy(Policy):
         return self._because(why, best)
 
     def _learning(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]],
-                  bound: Dict[int, float], costs: Dict[int, float]) -> Optional[int]:
+                  bound: Dict[int, float], costs: Dict[int, float], doubt: Dict[int, float]) -> Optional[int]:
         """The depth at which drafting goes on (None: none) whatever the mean estimates say, until the head's
         first drafts have been tried `learn_drafts` times for every class of the batch, and for a request's
         own first drafts (`request_started`): plain decoding chosen on the prior acceptance, or on a few
@@ -177,7 +177,7 @@ class DepthPolicy(Policy):
         unlearnt = min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
         measured = [k for k in sorted(bound) if k > 0 and self._calibrated(key, k)]
         fresh = self.accept.fresh(classes, requests)
-        if not (unlearnt or fresh) or probes.cannot_pay(measured, costs, bound[0], self._doubts(key, measured)):
+        if not (unlearnt or fresh) or probes.cannot_pay(measured, costs, bound[0], doubt):
             return None
         thin = fresh and any(self.accept.evidence(cls) < self.cfg.settled for cls in set(classes))
         return probes.learning_depth(measured, bound, fresh, thin)
