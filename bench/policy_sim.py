@@ -33,6 +33,7 @@ from collections import Counter
 from policy_ab import variant_config
 
 from mlxmtp.engine.policy.adaptive import DepthPolicy
+from mlxmtp.engine.policy.base import row_class
 
 COSTS = [1.0, 1.5, 1.9, 2.0, 2.4]  # plain cycles a cycle of depth k costs: the demo's at T = 0.6
 SWITCH = 1.0  # plain cycles a first drafting cycle after plain decoding costs beyond its own (the head catches up)
@@ -64,18 +65,19 @@ def run(seed: int, policy=None, fixed: int = 0, deeper: float = 0.0, spread: flo
     for r, (offset, length) in enumerate(stream):
         request, position = ("request", r), 0
         if policy is not None:
-            policy.request_started("sampled", request)
+            policy.request_started(row_class("sampled", 0), request)
         while position < length:
             limit = length - position - 1
+            classes = [row_class("sampled", position)]  # as the engine tells a row's class
             k = min(fixed, limit) if policy is None else policy.choose(
-                1, limit=limit, classes=["sampled"], requests=[request])
+                1, limit=limit, classes=classes, requests=[request])
             kept, chances = _kept(k, first_kept(position, offset), deeper, luck)
             switched = prev == 0 and k > 0
             paid = COSTS[k] + (SWITCH if switched else 0.0)
             seen = paid * luck.lognormvariate(0, noise)
             if policy is not None:  # timed as the engine times: not the first cycle after a switch
                 timed = prev is not None and (prev == 0) == (k == 0)
-                policy.update(k, 1, seen if timed else None, [kept], ["sampled"],
+                policy.update(k, 1, seen if timed else None, [kept], classes,
                               switch_seconds=seen if switched else None, requests=[request],
                               chances=[chances] if k else None)
             prev, depths[k] = k, depths[k] + 1

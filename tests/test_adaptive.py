@@ -9,7 +9,7 @@ import pytest
 from mlxmtp.engine.policy import probes
 from mlxmtp.engine.policy.acceptance import Acceptance
 from mlxmtp.engine.policy.adaptive import DepthPolicy
-from mlxmtp.engine.policy.base import Policy
+from mlxmtp.engine.policy.base import GREEDY, OPENING_TOKENS, Policy, cost_key, row_class
 from mlxmtp.engine.policy.config import PolicyConfig
 
 
@@ -222,6 +222,16 @@ def test_each_request_estimates_its_first_draft_from_its_own_drafts():
     assert acc.expected_tokens(False, ["sampled"] * 2, ["good", "bad"])[1] == (1 + good[0] + 1 + bad[0]) / 2
 
 
+def test_a_request_tries_drafts_of_its_own_from_past_its_answers_opening():
+    acc = Acceptance(max_depth=2, prior_accept=0.5, prior_weight=2.0, depth_weight=4.0, decay=1.0)
+    acc.reopen(row_class("sampled", 0), 8, "r")
+    acc.record(2, [0], [row_class("sampled", 0)], ["r"])  # an opening's drafts are not its own
+    assert not acc.fresh(["sampled"], ["r"]) and acc.requests.first_drafts("r") is None
+    acc.past_openings([row_class("sampled", OPENING_TOKENS)], ["r"])
+    assert acc.fresh(["sampled"], ["r"]) and acc.requests.first_drafts("r") == (0.0, 0.0)
+    assert cost_key(4, [row_class("sampled", 0), GREEDY]) == (4, "sampled")
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_request_on_which_drafting_did_not_pay_does_not_keep_the_next_ones_plain(seed):
     # Requests differ (the demo at T = 0.6: k = 2 makes 0.91x to 1.69x of mlx-lm from one
@@ -234,6 +244,43 @@ def test_a_request_on_which_drafting_did_not_pay_does_not_keep_the_next_ones_pla
     chosen, _ = simulate(cost, lambda i: 0.5 if i < 300 else 0.85, cycles=700, seed=seed,
                          calibrated={k: cost(k) for k in range(5)}, starts=(0, 300, 400, 500, 600))
     assert sum(1 for k in chosen[300:] if k) / 400 > 0.9
+
+
+def answers(class_at, accept_at, cost, requests=12, length=120, seed=0, noise=0.1):
+    """Requests of `length` tokens one after another on one policy, driven as the engine drives
+    it: a row's class at each answer position `class_at(position)`, its drafts kept with
+    probability `accept_at(position)`, a cycle of depth k costing cost(k) (seen through
+    lognormal noise). Returns the tokens per unit of cost."""
+    rng, pol = random.Random(seed), DepthPolicy()
+    pol.seed_costs(1, {k: cost(k) for k in range(5)})
+    tokens, spent, prev = 0, 0.0, None
+    for request in range(requests):
+        position = 0
+        pol.request_started(class_at(0), request)
+        while position < length:
+            classes = [class_at(position)]
+            k = pol.choose(1, limit=length - position - 1, classes=classes, requests=[request])
+            kept = next((j for j in range(k) if rng.random() >= accept_at(position)), k)
+            seen = cost(k) * rng.lognormvariate(0, noise)
+            timed, switched = prev is not None and (prev == 0) == (k == 0), prev == 0 and k > 0
+            pol.update(k, 1, seen if timed else None, [kept], classes, switch_seconds=seen if switched else None,
+                       requests=[request])
+            prev, position, tokens, spent = k, position + kept + 1, tokens + kept + 1, spent + cost(k)
+    return tokens / spent
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_an_answers_opening_is_learnt_apart_from_the_rest(seed):
+    # Drafts kept 30% of the time in an answer's first tokens and 90% after (the demo, greedy,
+    # its four code prompts at 4 rows: about 60% then all). The calibration and each request's
+    # own first drafts fall in openings; learnt with the rest, they priced the rest too, which
+    # then decoded plainly. Apart, the openings decode plainly and the rest drafts deep: the
+    # best per-position choice makes 120 tokens for 16 + 104 / 1.46 = 87 plain cycles (1.38).
+    cost = lambda k: 1.0 + 0.45 * k  # noqa: E731
+    accept_at = lambda position: 0.3 if position < OPENING_TOKENS else 0.9  # noqa: E731
+    apart = answers(lambda position: row_class(GREEDY, position), accept_at, cost, seed=seed)
+    together = answers(lambda position: GREEDY, accept_at, cost, seed=seed)
+    assert apart > 0.9 * 1.38 and apart > 1.1 * together
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -21,7 +21,7 @@ from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.policy.adaptive import DepthPolicy
-from mlxmtp.engine.policy.base import GREEDY
+from mlxmtp.engine.policy.base import GREEDY, OPENING_TOKENS
 from mlxmtp.engine.proposers import hybrid_plan
 from mlxmtp.engine.proposers.base import SUFFIX
 from mlxmtp.engine.proposers.hybrid import HybridProposer
@@ -130,6 +130,7 @@ class _Row:
         self.req.id = i
         self.sampler = type("S", (), {"params": SamplingParams(temperature=0 if greedy else 0.7),
                                       "reproducible": False})()
+        self.generated = OPENING_TOKENS  # past its answer's opening: of its kind's class
 
 
 def _draft(n, p):

@@ -10,12 +10,12 @@ prefilled again over what it had fed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Hashable, List, Optional
 
 import mlx.core as mx
 
 from ..mlxlm.model_cache import ModelCache
-from .policy.base import GREEDY, REPRODUCIBLE, SAMPLED
+from .policy.base import GREEDY, REPRODUCIBLE, SAMPLED, row_class
 from .proposers.mtp_head import Segment
 from .request import Request, RequestStats
 from .sampling.row import RowSampler
@@ -73,12 +73,13 @@ def to_resume(row: Row) -> Row:
     return row
 
 
-def acceptance_classes(rows: List[Row]) -> List[str]:
+def acceptance_classes(rows: List[Row]) -> List[Hashable]:
     # Greedy rows keep a draft only if it is the argmax; sampled rows by rejection sampling,
     # which keeps far more deep drafts; reproducible rows while drafts equal the target's
-    # token under shared noise (engine/sampling/seeded.py): the depth policy learns them apart.
-    return [GREEDY if r.sampler.params.greedy else REPRODUCIBLE if r.sampler.reproducible else SAMPLED
-            for r in rows]
+    # token under shared noise (engine/sampling/seeded.py): the depth policy learns them apart,
+    # and each apart in an answer's opening (policy/base.row_class).
+    return [row_class(GREEDY if r.sampler.params.greedy else REPRODUCIBLE if r.sampler.reproducible else SAMPLED,
+                      r.generated) for r in rows]
 
 
 class Batch:

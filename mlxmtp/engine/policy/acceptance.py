@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
+from .base import Opening
 from .requests import RequestAcceptance
 
 
@@ -111,8 +112,13 @@ class Acceptance:
 
     def reopen(self, cls: Hashable, drafts: int, request: Hashable = None) -> None:
         """A request (of class `cls`) starts: its next `drafts` first drafts are its own to
-        try (`fresh`), where the policy finds they could pay."""
-        self.requests.start(cls if request is None else request, drafts)
+        try (`fresh`), where the policy finds they could pay; past its opening if it is in one."""
+        self.requests.start(cls if request is None else request, drafts, request is not None and isinstance(cls, Opening))
+
+    def past_openings(self, classes: Sequence[Hashable], requests: Optional[Sequence[Hashable]]) -> None:
+        """Rows (of these classes and requests) are decoded now: a request past its opening starts."""
+        if requests:
+            self.requests.past_opening([r for cls, r in zip(classes, requests) if not isinstance(cls, Opening)])
 
     def fresh(self, classes: Sequence[Hashable], requests: Optional[Sequence[Hashable]] = None) -> bool:
         """Whether a row has first drafts of its own still to try (`reopen`)."""

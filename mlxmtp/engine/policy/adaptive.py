@@ -10,12 +10,12 @@ costs of its own, and noise must never buy a slower setting), even with its cost
 came out too low), and another drafting depth must beat the current one by `hysteresis`.
 A batch's E(k) is the mean over its rows.
 
-The pieces: `acceptance.Acceptance` learns a_i per class of request and per depth, and
-a request's first draft also from its own (`requests.RequestAcceptance`);
-`cycle_costs.CycleCosts` holds c(k) as ratios between neighbouring cycles, so that the
-machine's drifting speed cancels (drafting depths never measured are priced by a line
-a + b*k through those that were), and `cycle_costs.SwitchCosts` the extra cost of a
-switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
+The pieces: `acceptance.Acceptance` learns a_i per class of row (its kind, and its answer's
+opening apart: base.row_class) and depth, a request's first draft also from its own
+(`requests.RequestAcceptance`); `cycle_costs.CycleCosts` holds c(k) as ratios between
+neighbouring cycles, so that the machine's drifting speed cancels (drafting depths never
+measured are priced by a line a + b*k through those that were), and `SwitchCosts` the extra
+cost of a switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
 depths than the chosen one. Plain decoding and k = 1 are measured first, live, in
 alternating blocks; a start-up calibration (engine/policy/calibration.py: the first batch
 bucket only, both kinds) only gives priors, which a live ratio replaces. Until the head's
@@ -26,9 +26,8 @@ can be far off), so a depth that could beat the regime is probed long enough to 
 `learn_drafts` drafts of its own (`_worth_learning`); and where deeper depths are priced
 only by the line, probes climb one depth at a time (`probes.climb`).
 
-On a backend where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0)
-for every k > 0 and the policy settles on 0, with rare probes and no request learning drafts
-of its own (not even perfect drafts could pay): as fast as MTP off.
+Where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0) for every k > 0:
+the policy settles on 0, rarely probes, and no request learns drafts of its own: as MTP off.
 """
 
 from __future__ import annotations
@@ -129,6 +128,7 @@ class DepthPolicy(Policy):
         if cap == 0:
             return self._because(NO_ROOM, 0)
         self.cycles += 1
+        self.accept.past_openings(classes or [], requests)
         key = cost_key(batch_size, classes)
         if key != self._key:
             self._switch_table(key)
@@ -183,8 +183,8 @@ class DepthPolicy(Policy):
         return probes.learning_depth(measured, bound, fresh, thin)
 
     def request_started(self, cls: Hashable, request: Hashable = None) -> None:
-        """A request's first cycle: it tries `learn_drafts` first drafts of its own (`_learning`) where they
-        could pay by its own optimistic estimate (requests.py), or while its class's evidence is thin."""
+        """A request's first cycle: past its opening it tries `learn_drafts` first drafts of its own (`_learning`)
+        where they could pay by its own optimistic estimate (requests.py), or while its class's evidence is thin."""
         self.accept.reopen(cls, self.cfg.learn_drafts, request)
 
     def _switch_table(self, key: Tuple[int, str]) -> None:

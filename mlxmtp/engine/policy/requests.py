@@ -23,13 +23,24 @@ class RequestAcceptance:
         self.keep = keep  # requests remembered, the latest (those in a batch are among them)
         # Per request: [first drafts kept, first drafts tried, first drafts still its own to try].
         self._own: OrderedDict[Hashable, List[float]] = OrderedDict()
+        self._opening: OrderedDict[Hashable, int] = OrderedDict()  # request -> drafts, from past its opening
 
-    def start(self, request: Hashable, drafts: int) -> None:
-        """A request starts: none of its drafts tried, `drafts` of its own to try (`fresh`)."""
-        self._own[request] = [0.0, 0.0, float(drafts)]
-        self._own.move_to_end(request)
-        while len(self._own) > self.keep:
-            self._own.popitem(last=False)
+    def start(self, request: Hashable, drafts: int, opening: bool = False) -> None:
+        """A request starts: none of its drafts tried, `drafts` of its own to try (`fresh`). One
+        whose rows are in their answers' opening (base.Opening) has them from its first cycle
+        past it (`past_opening`): its own first drafts are to tell how it differs from its class
+        where most of its answer is, and an opening is not like the rest (base.OPENING_TOKENS)."""
+        table, entry = (self._opening, drafts) if opening else (self._own, [0.0, 0.0, float(drafts)])
+        table[request] = entry
+        table.move_to_end(request)
+        while len(table) > self.keep:
+            table.popitem(last=False)
+
+    def past_opening(self, requests: Sequence[Hashable]) -> None:
+        """Rows of these requests are past their answers' openings: those waiting start now."""
+        for request in requests:
+            if request in self._opening:
+                self.start(request, self._opening.pop(request))
 
     def record(self, first_chances: List[float], requests: Sequence[Hashable]) -> None:
         """One steady drafting cycle: the chance each row's (of the request at that index)

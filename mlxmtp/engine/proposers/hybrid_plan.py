@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence
 
+from ..policy.base import kind_of
 from ..state import acceptance_classes
 
 # The relative cost of each draft in a cycle where the policy has measured none: c(K) =
@@ -54,7 +55,7 @@ class CyclePlan:
     depth: int  # K: drafts verified per row this cycle
     head_depth: int  # drafts the head chains (0: the head does not run)
     suffix: Dict[int, List[float]]  # request id -> its suffix draft's probs (cut to the depth)
-    # request id -> its Calibration key (rows drafting from the suffix): (acceptance class, streak)
+    # request id -> its Calibration key (rows drafting from the suffix): (request kind, streak)
     calibration_keys: Dict[int, Hashable]
 
     def suffix_rows(self, rows: Sequence) -> List[bool]:
@@ -66,7 +67,7 @@ def head_only(k: int) -> CyclePlan:
 
 
 class Calibration:
-    """Per calibration key (acceptance class, streak), the share of suffix draft tokens kept
+    """Per calibration key (request kind: greedy, sampled, reproducible; streak), the share of suffix draft tokens kept
     against the share the suffix index predicted, over the tokens a verify reached (a draft rejected at its first token is
     evidence about one token, not about the rest): the index assumes a continuation seen before
     comes again, which sampling (a draft is kept with probability p(x)) and a model that writes
@@ -213,7 +214,7 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
     classes = acceptance_classes(rows)
     e_head = _head_tokens(policy, classes, k)
     streaks = streaks or {}
-    keys = [(c, streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
+    keys = [(kind_of(c), streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
     f = [max(calibration.factor(key), run_chance(p.match_len)) for key, p in zip(keys, proposals)]
     depths = _depths(k, proposals, cap, shape_stable)
     costs = _costs(policy, len(rows), classes, depths, k)
