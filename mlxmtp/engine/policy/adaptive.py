@@ -27,7 +27,7 @@ can be far off), so a depth that could beat the regime is probed long enough to 
 only by the line, probes climb one depth at a time (`probes.climb`).
 
 Where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0) for every k > 0:
-the policy settles on 0, rarely probes, and no request learns drafts of its own: as MTP off.
+the policy settles on 0, probes rarely, and no request learns drafts: as fast as MTP off.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 GREEDY, SAMPLED, REPRODUCIBLE = "greedy", "sampled", "reproducible"
 
 
-# A row's first OPENING_TOKENS answer tokens are a class of their own (`Opening`): there the
-# head keeps far fewer drafts than further on (the demo, greedy, four code prompts at 4 rows:
-# about 60% of first drafts in an answer's first 16 tokens, all after; at T = 0.6 57% against
-# 72%), and a policy that learns acceptance where it drafts, mostly where requests open (its
-# calibration, each request's own first drafts), would price every answer's rest by them.
+# A row's first OPENING_TOKENS answer tokens are a class of their own (`Opening`): there a
+# head can keep far fewer drafts than further on (the demo's: BENCHMARKS.md, Concurrency), and
+# a policy learns acceptance where it drafts, which is mostly where requests open (its
+# calibration, each request's own first drafts): learnt together, openings would price the
+# rest of every answer.
 OPENING_TOKENS = 16
 
 
