@@ -67,7 +67,7 @@ def head_only(k: int) -> CyclePlan:
 
 
 class Calibration:
-    """Per calibration key (request kind: greedy, sampled, reproducible; streak), the share of suffix draft tokens kept
+    """Per calibration key (a request kind and a streak), the share of suffix draft tokens kept
     against the share the suffix index predicted, over the tokens a verify reached (a draft rejected at its first token is
     evidence about one token, not about the rest): the index assumes a continuation seen before
     comes again, which sampling (a draft is kept with probability p(x)) and a model that writes
