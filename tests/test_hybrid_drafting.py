@@ -296,10 +296,10 @@ def test_suffix_depths_are_priced_with_the_policys_doubt_about_their_cost():
 def test_a_suffix_depth_past_those_measured_is_tried_then_priced_as_measured():
     """A start-up calibration of depths 1-4 on a noisy machine can come out steep (here 0.47
     plain cycles a draft): its line would price a 32-token verify at 16 plain cycles, with
-    the doubt at 20, and a sure 32-token copy would never beat the head's k = 2, so never be
+    the doubt at 20, and a sure 32-token copy could lose to the head's k = 2 and never be
     measured (a cold `mlxmtp generate` that copied at 2 tokens a cycle). A depth past the
-    deepest measured one is priced at that one's cost until it is measured once; then as
-    measured, cheap or dear."""
+    deepest measured one is priced halfway between that one's cost and the line's until it
+    is measured; then as measured, cheap or dear."""
     plain, row = 0.017, [_Row(1)]
     copying = Draft(list(range(32)), [1.0] * 32, 32)
 
@@ -319,6 +319,40 @@ def test_a_suffix_depth_past_those_measured_is_tried_then_priced_as_measured():
     cheap, dear = after_a_verify_of_32(calibrated(), 3.0), after_a_verify_of_32(calibrated(), 40.0)
     assert hybrid_plan.choose(2, row, [copying], cheap, hybrid_plan.Calibration(), 32).depth == 32
     assert hybrid_plan.choose(2, row, [copying], dear, hybrid_plan.Calibration(), 32).depth == 2
+
+
+def _costs_measured(batch_size, costs, rounds=4):
+    """A policy that timed `rounds` blocks of cycles of each depth in `costs` (in plain cycles)
+    at this batch size, each right after the one before."""
+    policy, rows = DepthPolicy(), [GREEDY] * batch_size
+    for cycle, (k, c) in enumerate(list(costs.items()) * rounds):
+        policy.cycles = cycle
+        policy.update(k, batch_size, 0.02 * c, [0] * batch_size, rows, head=False)
+    return policy
+
+
+def test_a_long_verify_of_a_compute_bound_batch_is_not_tried_on_the_word_of_a_few_rows():
+    """Eight rows where each verified token costs about a plain cycle (a compute-bound batch:
+    depths 1 and 2 measured at 2 and 3 plain cycles): a 32-token verify costs ~20-30 plain
+    cycles, so two rows copying cannot pay for it against plain decoding's 8 tokens a cycle,
+    while all eight copying can. Priced as the deepest measured depth (3 plain cycles), each
+    deeper depth was tried once, at a loss of ~20 cycles each."""
+    policy, cal = _costs_measured(8, {0: 1.0, 1: 2.0, 2: 3.0}), hybrid_plan.Calibration()
+    rows = [_Row(i) for i in range(8)]
+    copying, none = Draft(list(range(32)), [1.0] * 32, 32), Draft([], [], 0)
+    assert policy.relative_costs(8, [GREEDY], [32], cautious=True)[32] > 12
+    assert hybrid_plan.choose(0, rows, [copying] * 2 + [none] * 6, policy, cal, 32) == hybrid_plan.head_only(0)
+    plan = hybrid_plan.choose(0, rows, [copying] * 8, policy, cal, 32)
+    assert plan.depth >= 16 and plan.suffix_rows(rows) == [True] * 8
+
+
+def test_a_deeper_verify_is_never_priced_below_a_shallower_one():
+    """Two noisy medians can say a verify of 16 tokens costs less than one of 8; the plan would
+    then take the longer one on its word. Costs never fall with depth."""
+    policy = _costs_measured(4, {0: 1.0, 8: 8.0, 16: 6.5})
+    for cautious in (False, True):
+        c = policy.relative_costs(4, [GREEDY], [8, 16, 32], cautious=cautious)
+        assert c[8] <= c[16] <= c[32] and c[8] >= 7.9
 
 
 def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():

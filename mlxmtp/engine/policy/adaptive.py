@@ -104,12 +104,9 @@ class DepthPolicy(Policy):
     def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
                        depths: Sequence[int], cautious: bool = False) -> Optional[Dict[int, float]]:
         key = cost_key(batch_size, classes)
-        deepest = max(self._costs(key).log_costs(), default=0) if cautious else 0  # measured or calibrated
-        c = self._costs(key).costs([0, deepest, *depths])
-        if not c.get(0):
-            return None
-        doubt = self._doubts(key, c) if cautious else {}
-        return {k: (c[deepest] if 0 < deepest < k else c[k] * doubt.get(k, 1.0)) / c[0] for k in depths if c.get(k)}
+        table = self._costs(key)
+        doubt = self._doubts(key, {*depths, *table.log_costs()}) if cautious else None
+        return table.relative(depths, doubt) or None
 
     def _costs(self, key: Tuple[int, str]) -> CycleCosts:
         if key not in self.costs:

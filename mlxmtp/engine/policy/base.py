@@ -103,11 +103,12 @@ class Policy:
     def relative_costs(self, batch_size: int, classes: Optional[Sequence[Hashable]],
                        depths: Sequence[int], cautious: bool = False) -> Optional[Dict[int, float]]:
         """The cost of a cycle of each of `depths` relative to a plain one, where known (None:
-        nothing measured); depths past those measured priced by their trend. `cautious`: each
-        drafting depth's raised by the policy's doubt about it (a choice among noisy costs
-        picks one that came out low), except that a depth beyond the deepest one measured
-        costs what that one does (the least it can cost): a trend from a few short depths,
-        noisy, can price a long verify out of ever being tried, and so measured."""
+        nothing measured); depths past those measured priced by their trend, and never less
+        than a shallower depth. `cautious`: each drafting depth's raised by the policy's doubt
+        about it (a choice among noisy costs picks one that came out low), except that a depth
+        beyond the deepest one measured costs halfway between that one's cost and the trend's
+        (CycleCosts.relative): a trend from a few short depths, noisy, can price a long verify
+        out of ever being tried, and so measured."""
         return None
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:

@@ -137,6 +137,34 @@ class CycleCosts:
                 out[k] = _line(drafting, known.get(0), k)
         return out
 
+    def relative(self, depths: Iterable[int], doubt: Optional[Dict[int, float]] = None) -> Dict[int, float]:
+        """c(k) / c(0) for each of `depths` that is known ({} while plain decoding is not), never
+        less for a deeper depth than for a shallower one: a verify of more tokens costs no less,
+        whatever two noisy medians say. `doubt` (depth -> factor, DepthPolicy._doubts) raises
+        each cost; a depth deeper than the deepest linked one then costs halfway between that
+        one's cost and the line's price. The line through a few short depths, noisy, can be far
+        steeper than a long verify's real cost (a verify grows sublinearly in its tokens) and
+        would price it out of ever being tried, and so measured; the deepest one's cost alone
+        is no price at all where each draft costs most of a plain cycle (a compute-bound batch),
+        and every deeper depth would be tried at a loss of many cycles."""
+        depths = list(depths)
+        linked = self.log_costs()
+        deepest = max(linked, default=0)
+        c = self.costs([0, *linked, *depths])
+        if not c.get(0):
+            return {}
+        out, floor = {}, 0.0
+        for k in sorted({*linked, *depths}):
+            if not c.get(k):
+                continue
+            if doubt is not None and 0 < deepest < k:
+                cost = (c[deepest] + c[k]) / 2
+            else:
+                cost = c[k] * (doubt or {}).get(k, 1.0)
+            floor = max(floor, cost)
+            out[k] = floor / c[0]
+        return {k: out[k] for k in depths if k in out}
+
 
 class SwitchCosts:
     """What a switch from plain decoding to drafting costs beyond the cycles themselves, in

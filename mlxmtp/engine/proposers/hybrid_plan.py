@@ -12,9 +12,10 @@ each token's chance: by what rows of the same acceptance class have actually kep
 
 c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements,
 plain decoding = 1, raised by its doubt about them for K other than k; a K deeper than any
-measured costs what the deepest measured one does until a cycle measures it, so that a long
-verify is tried once rather than priced out by a line through short ones; `DEFAULT_SLOPE` per
-draft where nothing is measured). The plan takes the K with the highest rate among k, the
+measured costs halfway between the deepest measured one and the line through those measured,
+so that a long verify that pays by a wide margin is tried rather than priced out by a steep
+line through short ones, and one that pays only if it costs no more than a short one is not;
+`DEFAULT_SLOPE` per draft where nothing is measured). The plan takes the K with the highest rate among k, the
 proposals' lengths and the powers of two below them (a doubtful long draft may pay cut
 short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The head runs only if some
 row takes its drafts.
