@@ -15,10 +15,10 @@ plain decoding = 1, raised by its doubt about them for K other than k; a K deepe
 measured costs halfway between the deepest measured one and the line through those measured,
 so that a long verify that pays by a wide margin is tried rather than priced out by a steep
 line through short ones, and one that pays only if it costs no more than a short one is not;
-`DEFAULT_SLOPE` per draft where nothing is measured). The plan takes the K with the highest rate among k, the
-proposals' lengths and the powers of two below them (a doubtful long draft may pay cut
-short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The head runs only if some
-row takes its drafts.
+`DEFAULT_SLOPE` per draft where nothing is measured). The plan takes the K with the highest
+rate among k, the proposals' lengths and the powers of two below them (a doubtful long draft
+may pay cut short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The head runs
+only if some row takes its drafts.
 """
 
 from __future__ import annotations
