@@ -20,7 +20,8 @@ def sampling_range(name: str, kind=click.FloatRange):
 _DRAFTING = [
     click.option("--num-draft", "--num-draft-tokens", "num_draft", default=None,
                  type=click.IntRange(0, MAX_DRAFT_DEPTH),
-                 help="Pin the draft depth (default: adaptive). --num-draft-tokens is mlx-lm's name for it."),
+                 help="Pin the MTP head's draft depth (default: adaptive); suffix drafts go on unless --no-suffix. "
+                      "--num-draft-tokens is mlx-lm's name for it."),
     click.option("--suffix/--no-suffix", default=True, show_default=True,
                  help="Beside the MTP head, draft what the prompt and the output say comes next (up to 32 tokens "
                       "where text repeats: an edit re-emitting code it read); used per row where it promises more."),
