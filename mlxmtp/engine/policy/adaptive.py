@@ -134,9 +134,10 @@ class DepthPolicy(Policy):
         self._plan = []
         costs = {k: c for k, c in self._costs(key).costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
         # The two anchors first, in alternating blocks (each switch yields one ratio); again
-        # where plain decoding is measured only against depths no chain of pairs links to
-        # the others (neighbouring cycles of two engines of the model can pair that way).
-        if not (self._calibrated(key, 0) and self._calibrated(key, 1)) or not {0, 1} <= costs.keys():
+        # where no chain of measured pairs links k = 1 to plain decoding (neighbouring cycles
+        # of two engines of the model can pair other depths that way).
+        linked = self._costs(key).log_costs()
+        if not (self._calibrated(key, 0) and self._calibrated(key, 1)) or not {0, 1} <= linked.keys():
             n = self._calibration.get(key, 0)
             self._calibration[key] = n + 1
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)

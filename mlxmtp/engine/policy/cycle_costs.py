@@ -71,7 +71,11 @@ class CycleCosts:
 
     def log_costs(self) -> Dict[int, float]:
         """log c(k) up to one common constant, for the depths linked (by a chain of measured
-        pairs) to the most measured one."""
+        pairs) to plain decoding, or while it has no pair, to the most measured depth. Every
+        price is relative to plain decoding's: a pair of long suffix verifies timed back to
+        back, linked to nothing else, must not stand in for it, however often measured (the
+        policy would then lose c(0) and measure it again, in calibration blocks). The most
+        measured depth of plain decoding's group is held fixed while the rest are solved."""
         if self._solved is not None:
             return self._solved
         links: Dict[int, list] = {}
@@ -82,7 +86,8 @@ class CycleCosts:
         if not links:
             self._solved = {}
             return self._solved
-        root = max(links, key=self.samples)
+        group = _reached(links, 0) if 0 in links else links
+        root = max((k for k in links if k in group), key=self.samples)
         solved, todo = {root: 0.0}, [root]
         while todo:  # a first guess along a spanning tree
             j = todo.pop()
@@ -192,6 +197,17 @@ class SwitchCosts:
         """The typical excess of a switch for this table key (0 until one was measured)."""
         samples = self.samples.get(key)
         return statistics.median(samples) if samples else 0.0
+
+
+def _reached(links: Dict[int, list], start: int) -> set:
+    """The depths a chain of measured pairs links to `start` (links: depth -> [(depth, ...)])."""
+    seen, todo = {start}, [start]
+    while todo:
+        for k, *_ in links[todo.pop()]:
+            if k not in seen:
+                seen.add(k)
+                todo.append(k)
+    return seen
 
 
 def _line(points, c0: Optional[float], k: int) -> float:
