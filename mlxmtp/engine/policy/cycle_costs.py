@@ -86,15 +86,9 @@ class CycleCosts:
         if not links:
             self._solved = {}
             return self._solved
-        group = _reached(links, 0) if 0 in links else links
+        group = _first_guess(links, 0) if 0 in links else links
         root = max((k for k in links if k in group), key=self.samples)
-        solved, todo = {root: 0.0}, [root]
-        while todo:  # a first guess along a spanning tree
-            j = todo.pop()
-            for k, d, _ in links[j]:
-                if k not in solved:
-                    solved[k] = solved[j] + d
-                    todo.append(k)
+        solved = _first_guess(links, root)
         for _ in range(20):  # then least squares over every pair (Gauss-Seidel; tiny graph)
             for k in solved:
                 if k != root:
@@ -199,15 +193,17 @@ class SwitchCosts:
         return statistics.median(samples) if samples else 0.0
 
 
-def _reached(links: Dict[int, list], start: int) -> set:
-    """The depths a chain of measured pairs links to `start` (links: depth -> [(depth, ...)])."""
-    seen, todo = {start}, [start]
+def _first_guess(links: Dict[int, list], start: int) -> Dict[int, float]:
+    """log c(k) - log c(start) along a spanning tree from `start`, for the depths a chain of
+    measured pairs links to it (links: depth -> [(depth, log-ratio, samples)])."""
+    solved, todo = {start: 0.0}, [start]
     while todo:
-        for k, *_ in links[todo.pop()]:
-            if k not in seen:
-                seen.add(k)
+        j = todo.pop()
+        for k, d, _ in links[j]:
+            if k not in solved:
+                solved[k] = solved[j] + d
                 todo.append(k)
-    return seen
+    return solved
 
 
 def _line(points, c0: Optional[float], k: int) -> float:
