@@ -242,8 +242,8 @@ class DepthPolicy(Policy):
         loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, rates)
         if best == 0:
             loss += self.switch.cost(key)
-        measured = [k for k in others if self._calibrated(key, k)]
-        if best == 0 and probes.cannot_pay(measured, costs, mean[0]):
+        measured, started = self._costs(key).measured(others, self.cfg.min_samples)
+        if best == 0 and probes.cannot_pay(measured, costs, mean[0], started=started):
             every = self.cfg.max_probe_every
         else:
             every = probes.spacing(loss, self.cfg.explore, self.cfg.min_probe_every, self.cfg.max_probe_every)

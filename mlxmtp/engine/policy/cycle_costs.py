@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Callable, Deque, Dict, Hashable, Iterable, Optional, Tuple
+from typing import Callable, Deque, Dict, Hashable, Iterable, List, Optional, Tuple
 
 CHI2_1_MEDIAN = 0.455  # the median of a chi-square with one degree of freedom
 
@@ -64,6 +64,13 @@ class CycleCosts:
             if k > 0 and seconds.get(base):
                 self.priors[(base, k)] = math.log(c / seconds[base])
         self._solved = None
+
+    def measured(self, depths: Iterable[int], min_samples: int) -> Tuple[List[int], List[int]]:
+        """(the drafting depths of `depths` in `min_samples` live ratios or more, those of the
+        rest a calibration priced (`seed`)): measured costs, not the line's."""
+        live = [k for k in sorted(depths) if k > 0 and self.samples(k) >= min_samples]
+        seeded = {k for _, k in self.priors}
+        return live, [k for k in sorted(depths) if k > 0 and k not in live and k in seeded]
 
     def samples(self, k: int) -> int:
         """How many neighbour ratios involve depth k."""

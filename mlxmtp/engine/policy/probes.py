@@ -13,7 +13,7 @@ probed often, clearly worse depths rarely.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 
 def plan(k: int, regime: int, burst: int, learn: int = 0) -> List[int]:
@@ -87,16 +87,24 @@ def forgone(cycles: int, alt: int, best: int, costs: Dict[int, float], mean: Dic
 
 
 def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float,
-               doubt: Optional[Dict[int, float]] = None) -> bool:
+               doubt: Optional[Dict[int, float]] = None, started: Sequence[int] = ()) -> bool:
     """Whether even drafts that are always kept would not beat plain decoding at any of
     the `measured` drafting depths (k+1 tokens for a verify costing about k+1 steps, as
     on a backend whose verify grows linearly in its tokens), with each cost lowered by its
-    `doubt` where given (adaptive.DepthPolicy._doubts). Acceptance then has nothing
+    `doubt` where given (adaptive.DepthPolicy._doubts), nor at the depths `started` (those
+    only the start-up calibration measured) at their price. Acceptance then has nothing
     to teach; only a change of the costs could, and those belong to the model and the
     machine. Only depths measured a few times count: a line through two noisy costs,
-    taken out to a deep k, could otherwise let probes through."""
+    taken out to a deep k, could otherwise let probes through. For the spacing of probes
+    the start-up calibration's depths count too: where a verify of 2 tokens costs about 2
+    plain cycles (the CUDA backend's step-by-step Gated DeltaNet, a loaded CPU), k = 1,
+    measured live first, can never pay while k = 3 at 3 plain cycles can; judged on k = 1
+    alone, probes came `max_probe_every` cycles apart and a good head was never tried.
+    Learning (adaptive.DepthPolicy._learning) waits for a probe to measure such a depth
+    live: it drafts at measured depths only."""
     doubt = doubt or {}
-    return bool(measured) and all((k + 1) * doubt.get(k, 1.0) / costs[k] <= plain_rate for k in measured)
+    return (bool(measured) and all((k + 1) * doubt.get(k, 1.0) / costs[k] <= plain_rate for k in measured)
+            and all((k + 1) / costs[k] <= plain_rate for k in started))
 
 
 def spacing(loss: float, explore: float, least: int, most: int) -> int:
