@@ -243,7 +243,7 @@ class DepthPolicy(Policy):
         if best == 0:
             loss += self.switch.cost(key)
         measured, started = self._costs(key).measured(others, self.cfg.min_samples)
-        if best == 0 and probes.cannot_pay(measured, costs, mean[0], started=started):
+        if best == 0 and probes.cannot_pay(measured, costs, mean[0], started=started, at_least=min(2, self.max_depth)):
             every = self.cfg.max_probe_every
         else:
             every = probes.spacing(loss, self.cfg.explore, self.cfg.min_probe_every, self.cfg.max_probe_every)

@@ -87,7 +87,7 @@ def forgone(cycles: int, alt: int, best: int, costs: Dict[int, float], mean: Dic
 
 
 def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float,
-               doubt: Optional[Dict[int, float]] = None, started: Sequence[int] = ()) -> bool:
+               doubt: Optional[Dict[int, float]] = None, started: Sequence[int] = (), at_least: int = 1) -> bool:
     """Whether even drafts that are always kept would not beat plain decoding at any of
     the `measured` drafting depths (k+1 tokens for a verify costing about k+1 steps, as
     on a backend whose verify grows linearly in its tokens), with each cost lowered by its
@@ -101,9 +101,14 @@ def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float,
     measured live first, can never pay while k = 3 at 3 plain cycles can; judged on k = 1
     alone, probes came `max_probe_every` cycles apart and a good head was never tried.
     Learning (adaptive.DepthPolicy._learning) waits for a probe to measure such a depth
-    live: it drafts at measured depths only."""
+    live: it drafts at measured depths only. Nor does one depth measured tell (`at_least`:
+    how many must be, live or at start-up): its cost mixes what any drafting cycle costs (the
+    head's step, a synchronous cycle where plain ones overlap) with what a draft does, so a
+    batch size without a calibration (k = 1 alone measured live) probes on until a second
+    depth is measured."""
     doubt = doubt or {}
-    return (bool(measured) and all((k + 1) * doubt.get(k, 1.0) / costs[k] <= plain_rate for k in measured)
+    return (len({*measured, *started}) >= max(1, at_least)
+            and all((k + 1) * doubt.get(k, 1.0) / costs[k] <= plain_rate for k in measured)
             and all((k + 1) / costs[k] <= plain_rate for k in started))
 
 
