@@ -90,22 +90,19 @@ def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float,
                doubt: Optional[Dict[int, float]] = None, started: Sequence[int] = (), at_least: int = 1) -> bool:
     """Whether even drafts that are always kept would not beat plain decoding at any of
     the `measured` drafting depths (k+1 tokens for a verify costing about k+1 steps, as
-    on a backend whose verify grows linearly in its tokens), with each cost lowered by its
-    `doubt` where given (adaptive.DepthPolicy._doubts), nor at the depths `started` (those
-    only the start-up calibration measured) at their price. Acceptance then has nothing
-    to teach; only a change of the costs could, and those belong to the model and the
-    machine. Only depths measured a few times count: a line through two noisy costs,
-    taken out to a deep k, could otherwise let probes through. For the spacing of probes
-    the start-up calibration's depths count too: where a verify of 2 tokens costs about 2
-    plain cycles (the CUDA backend's step-by-step Gated DeltaNet, a loaded CPU), k = 1,
-    measured live first, can never pay while k = 3 at 3 plain cycles can; judged on k = 1
-    alone, probes came `max_probe_every` cycles apart and a good head was never tried.
-    Learning (adaptive.DepthPolicy._learning) waits for a probe to measure such a depth
-    live: it drafts at measured depths only. Nor does one depth measured tell (`at_least`:
-    how many must be, live or at start-up): its cost mixes what any drafting cycle costs (the
-    head's step, a synchronous cycle where plain ones overlap) with what a draft does, so a
-    batch size without a calibration (k = 1 alone measured live) probes on until a second
-    depth is measured."""
+    on a backend whose verify grows linearly in its tokens), each cost lowered by its
+    `doubt` where given (adaptive.DepthPolicy._doubts), nor at the depths `started` (only
+    the start-up calibration measured them) at their price. Acceptance then has nothing to
+    teach; only a change of the costs could, and those belong to the model and the machine.
+
+    Only measured depths count (a line through two noisy costs, taken out to a deep k,
+    could let probes through), and at least `at_least` of them: a depth's cost mixes what
+    any drafting cycle costs (the head's step, a synchronous cycle where plain ones overlap)
+    with what its drafts do, so where a verify of 2 tokens costs about 2 plain cycles (the
+    CUDA backend's step-by-step Gated DeltaNet, a loaded CPU) k = 1 can never pay while
+    k = 3 at 3 plain cycles can. Judged on k = 1 alone, probes came `max_probe_every`
+    cycles apart and a good head was never tried (adaptive.DepthPolicy._due_probe asks for
+    two; learning drafts only at depths measured live, after a probe)."""
     doubt = doubt or {}
     return (len({*measured, *started}) >= max(1, at_least)
             and all((k + 1) * doubt.get(k, 1.0) / costs[k] <= plain_rate for k in measured)
