@@ -44,7 +44,10 @@ def run_worker(*args: str, timeout: float = 900):
     """tests/distributed_worker.py on 2 ranks -> rank 0's JSON result."""
     res = mlx_launch([str(BIN / "python"), str(WORKER), *args], timeout=timeout)
     assert res.returncode == 0, res.stderr[-4000:]
-    return last_json(res.stdout)
+    try:
+        return last_json(res.stdout)
+    except AssertionError as missing:  # the ranks' own words say why
+        raise AssertionError(f"{missing}\nstderr:\n{res.stderr[-4000:]}") from None
 
 
 def _env() -> dict:
