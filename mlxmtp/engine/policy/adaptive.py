@@ -173,7 +173,7 @@ class DepthPolicy(Policy):
         good head idle for a whole run (BENCHMARKS.md, cold start). Where: probes.learning_depth. Nowhere
         where not even drafts always kept, at a cost lowered by its doubt, could pay: nothing to teach."""
         unlearnt = min(self.accept.first_drafts_tried(cls) for cls in set(classes)) < self.cfg.learn_drafts
-        measured = [k for k in sorted(bound) if k > 0 and self._calibrated(key, k)]
+        measured, _ = self._costs(key).measured(bound, self.cfg.min_samples)
         fresh = self.accept.fresh(classes, requests)
         if not (unlearnt or fresh) or probes.cannot_pay(measured, costs, bound[0], doubt):
             return None
