@@ -1,0 +1,215 @@
+"""The real engine and depth policy on the demo, timed by a GPU's measured cycle costs.
+
+No GPU is at hand for most runs, and the depth policy's choices depend on what cycles cost
+on the machine it runs on: on an H100 the demo's k = 1 cycle costs 1.91 plain cycles and
+k = 3 2.95 (BENCHMARKS.md, "Where a cycle's time goes"), where on this CPU k = 3 costs
+about 2. bench/policy_sim.py and tests/test_adaptive.simulate drive the policy object
+alone with drawn acceptance; here the whole engine decodes the demo for real (its own
+drafts and acceptance, the start-up calibration, each request's learning, probes, suffix
+cycles), and only the clock is simulated: every cycle advances a virtual clock by what a
+cycle of its kind costs on the device (`DEVICES`), times lognormal noise, and the engine
+and its policy read that clock instead of this machine's. The calibration at start-up
+returns the same costs. Throughput is decode tokens (the prefill's first token left out)
+per virtual second, so settings compare on the device's costs with the text this
+machine decodes.
+
+A cycle of depth k costs verify(k + 1) + k * head_step plain cycles, plus one head step for
+the first drafting cycle after plain decoding (the head's catch-up); a suffix cycle of
+depth K costs verify(K + 1) plus the head steps its head rows chained. Verify costs past
+the measured lengths grow by `per_token` a token (a guess, marked as such below); batch
+size is taken not to change them (the demo is launch-bound on a GPU).
+
+    python bench/simulated_device.py                          # H100, greedy and 0.6, code
+    python bench/simulated_device.py --temps 0 --rounds 6 --noise 0.05
+    python bench/simulated_device.py --suffix --workload repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx_lm  # noqa: E402
+from decode import PROMPTS, asked_again  # noqa: E402
+
+from mlxmtp.engine import batch as batch_module  # noqa: E402
+from mlxmtp.engine import cycle as cycle_module  # noqa: E402
+from mlxmtp.engine import timing  # noqa: E402
+from mlxmtp.engine.batch import BatchGenerator  # noqa: E402
+from mlxmtp.engine.config import EngineConfig  # noqa: E402
+from mlxmtp.engine.generate import stream_generate  # noqa: E402
+from mlxmtp.engine.policy import calibration  # noqa: E402
+from mlxmtp.engine.sampling.params import SamplingParams  # noqa: E402
+from mlxmtp.models.demo import demo_model_path  # noqa: E402
+from mlxmtp.models.load import load  # noqa: E402
+
+# Per device: a verify forward of T tokens against a 1-token forward (measured up to T = 5),
+# the head's step and a plain cycle's seconds. H100: bench/decode.py's forward costs (T = 2..5:
+# 1.54, 1.74, 1.82, 2.02) and bench/cycle_profile.py's cycles (2.94, 5.62, 7.29, 8.68, 10.39 ms
+# at k = 0..4: each draft adds 0.37-0.38 plain cycles beyond its verify).
+DEVICES = {
+    "h100": dict(verify={1: 1.0, 2: 1.54, 3: 1.74, 4: 1.82, 5: 2.02}, per_token=0.15, head_step=0.375,
+                 plain_seconds=0.00294),
+}
+
+
+class DeviceClock:
+    """The virtual clock and what each cycle advances it by."""
+
+    def __init__(self, device: dict, noise: float, seed: int):
+        self.device, self.noise, self.draw = device, noise, random.Random(seed)
+        self.now = 0.0
+        self.decode_seconds = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def verify(self, T: int) -> float:
+        table = self.device["verify"]
+        longest = max(table)
+        return table[T] if T in table else table[longest] + self.device["per_token"] * (T - longest)
+
+    def cycle(self, k: int, head_steps: int, switched: bool) -> float:
+        """Seconds of one cycle of depth k whose head chained `head_steps` drafts."""
+        plain = self.verify(k + 1) + (head_steps + (1 if switched and head_steps else 0)) * self.device["head_step"]
+        return plain * self.device["plain_seconds"] * math.exp(self.draw.gauss(0.0, self.noise))
+
+    def advance(self, rec, switched: bool) -> None:
+        head_steps = max((n for source, n in rec.drafted if source == "mtp"), default=0) if rec.drafted else rec.k
+        dt = self.cycle(rec.k, head_steps, switched)
+        self.now += dt
+        self.decode_seconds += dt
+
+    def calibration(self, pieces, batch_size, max_depth, shape_stable, pipelined=False, kinds=("greedy", "sampled")):
+        return {kind: {k: self.cycle(k, k, False) for k in range(max_depth + 1)} for kind in kinds}
+
+
+@contextmanager
+def simulated(clock: DeviceClock):
+    """The engine's clocks and its calibration read `clock` inside the block."""
+    fake_time = SimpleNamespace(perf_counter=clock.perf_counter)
+    saved = (timing.time, cycle_module.time, batch_module.time, calibration.measure_cycle_costs,
+             timing.CycleClock.finish)
+    original_finish = timing.CycleClock.finish
+
+    def finish(self, rec, policy, kept, chances=None):
+        clock.advance(rec, self.switched)
+        return original_finish(self, rec, policy, kept, chances)
+
+    timing.time = cycle_module.time = batch_module.time = fake_time
+    calibration.measure_cycle_costs = clock.calibration
+    timing.CycleClock.finish = finish
+    try:
+        yield clock
+    finally:
+        (timing.time, cycle_module.time, batch_module.time, calibration.measure_cycle_costs,
+         timing.CycleClock.finish) = saved
+
+
+def decode_rate(engine, clock: DeviceClock, tok, prompt, max_tokens: int, temp: float, seed: int,
+                depths: Counter) -> float:
+    """Decode tokens per virtual second of one request on `engine`; its cycles' depths added to `depths`."""
+    start, tokens = clock.decode_seconds, -1
+    params = SamplingParams(temperature=temp, seed=seed, reproducible=True)
+    for ev in stream_generate(None, tok, prompt, max_tokens=max_tokens, engine=engine, params=params):
+        tokens += len(ev.token_ids)
+        _count(depths, ev.stats)
+    return tokens / max(clock.decode_seconds - start, 1e-12)
+
+
+def _count(counts: Counter, stats) -> None:
+    """Add a finished request's cycles by depth ("k=2") and by the policy's reason to `counts`."""
+    if stats is not None:
+        counts.update({f"k={k}": n for k, n in stats.depths.items()})
+        counts.update(stats.depth_reasons)
+
+
+def batch_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float, seed: int,
+               depths: Counter) -> float:
+    """Decode tokens per virtual second of `prompts` submitted together to `engine` (each
+    request's cycles' depths added to `depths`)."""
+    from mlxmtp.engine.request import Request
+
+    start, tokens = clock.decode_seconds, -len(prompts)
+    reqs = [Request(prompt=list(p), max_tokens=max_tokens,
+                    params=SamplingParams(temperature=temp, seed=seed + i, reproducible=True))
+            for i, p in enumerate(prompts)]
+    for req in reqs:
+        engine.submit(req)
+    while engine.has_work:
+        for ev in engine.step():
+            tokens += len(ev.token_ids)
+            _count(depths, ev.stats)
+    return tokens / max(clock.decode_seconds - start, 1e-12)
+
+
+def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: float, seed: int):
+    """(per-round rates, the engine's depth counts) of one setting: depth 0 (MTP off), a fixed
+    depth, or "adaptive", on one engine for all rounds (as a server keeps one)."""
+    clock = DeviceClock(device, args.noise, seed)
+    with simulated(clock):
+        engine = BatchGenerator(model, tok, EngineConfig(
+            enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth, suffix_drafts=suffix))
+        if depth == "adaptive":
+            engine.calibrate(1)
+        rates, depths = [], Counter()
+        for r in range(args.rounds):
+            if args.concurrency > 1:
+                group = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
+                rates.append(batch_rate(engine, clock, group, args.max_tokens, temp, r, depths))
+            else:
+                rates.append(decode_rate(engine, clock, tok, prompts[r % len(prompts)], args.max_tokens, temp, r, depths))
+    return rates, dict(depths) if depth == "adaptive" else {}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=sorted(DEVICES), default="h100")
+    ap.add_argument("--temps", default="0,0.6")
+    ap.add_argument("--depths", default="1,2,3,4", help="fixed depths beside MTP off and adaptive")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=150)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together each round")
+    ap.add_argument("--noise", type=float, default=0.1, help="lognormal sigma of each cycle's cost")
+    ap.add_argument("--suffix", action="store_true", help="suffix drafts beside the head, every drafting setting")
+    ap.add_argument("--workload", choices=["code", "repeat"], default="code")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    path = str(demo_model_path())
+    model, tok = load(path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    if args.workload == "repeat":
+        ref, _ = mlx_lm.load(path)
+        prompts = [asked_again(ref, tok, p, args.max_tokens) for p in prompts]
+    device = DEVICES[args.device]
+    settings = [0, *[int(d) for d in args.depths.split(",") if d], "adaptive"]
+    for temp in [float(t) for t in args.temps.split(",")]:
+        results = {d: run_setting(model, tok, device, d, args.suffix and d != 0, prompts, args, temp,
+                                  args.seed * 1000 + i) for i, d in enumerate(settings)}
+        off = results[0][0]
+        print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}, "
+              f"noise={args.noise}, rounds={args.rounds}{', suffix' if args.suffix else ''}: decode rate over MTP off")
+        for d in settings:
+            rates, depths = results[d]
+            ratios = [a / b for a, b in zip(rates, off)]
+            label = "MTP off" if d == 0 else f"k={d}" if d != "adaptive" else "adaptive"
+            print(f"  {label:9s} {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+                  + (f"  cycles {depths}" if depths else ""))
+        fixed = [d for d in settings if d != "adaptive"]
+        per_round = [results["adaptive"][0][r] / max(results[d][0][r] for d in fixed) for r in range(args.rounds)]
+        best = max(fixed, key=lambda d: sum(results[d][0]))
+        total = sum(results["adaptive"][0]) / sum(results[best][0])
+        print(f"  adaptive / best fixed: {total:.3f} over the run (best: {best}); per round "
+              + " ".join(f"{x:.2f}" for x in per_round))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""bench/simulated_device.py: the engine and its depth policy read the simulated device's
+clock, not this machine's, and the clock is theirs again afterwards."""
+
+import time
+
+import pytest
+from test_bench_decode import _bench_module
+
+from mlxmtp.engine import timing
+from mlxmtp.engine.batch import BatchGenerator
+from mlxmtp.engine.config import EngineConfig
+from mlxmtp.engine.generate import stream_generate
+from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.models.demo import demo_model_path
+from mlxmtp.models.load import load
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return _bench_module("simulated_device")
+
+
+def test_a_cycle_costs_its_verify_and_the_heads_steps(sim):
+    clock = sim.DeviceClock(sim.DEVICES["h100"], noise=0.0, seed=0)
+    plain = clock.cycle(0, 0, False)
+    assert clock.cycle(3, 3, False) / plain == pytest.approx(1.82 + 3 * 0.375)
+    assert clock.cycle(3, 3, True) / plain == pytest.approx(1.82 + 4 * 0.375)  # the head catches up
+    assert clock.cycle(16, 0, False) / plain == pytest.approx(2.02 + 0.15 * 12)  # a suffix cycle, no head
+
+
+def test_the_depth_policy_learns_the_devices_costs_not_this_machines(sim):
+    """On this CPU a demo cycle of depth 3 costs about twice a plain one; on the simulated
+    H100 2.95 times: the policy's table after a request must say the latter."""
+    model, tok = load(str(demo_model_path()))
+    clock = sim.DeviceClock(sim.DEVICES["h100"], noise=0.0, seed=0)
+    with sim.simulated(clock):
+        engine = BatchGenerator(model, tok, EngineConfig())
+        engine.calibrate(1)
+        prompt = tok.encode("def main(argv):\n    ")
+        params = SamplingParams(temperature=0.0)
+        for _ in stream_generate(model, tok, prompt, max_tokens=40, engine=engine, params=params):
+            pass
+    costs = engine.policy.relative_costs(1, None, [0, 1, 2, 3, 4])
+    want = [clock.cycle(k, k, False) / clock.cycle(0, 0, False) for k in range(5)]
+    assert [costs[k] / costs[0] for k in range(5)] == pytest.approx(want, rel=0.02)
+    assert clock.decode_seconds > 0
+    assert timing.time is time  # the engine's own clock again
