@@ -35,6 +35,7 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_lm  # noqa: E402
@@ -54,7 +55,9 @@ from mlxmtp.models.load import load  # noqa: E402
 # Per device: a verify forward of T tokens against a 1-token forward (measured up to T = 5),
 # the head's step and a plain cycle's seconds. H100: bench/decode.py's forward costs (T = 2..5:
 # 1.54, 1.74, 1.82, 2.02) and bench/cycle_profile.py's cycles (2.94, 5.62, 7.29, 8.68, 10.39 ms
-# at k = 0..4: each draft adds 0.37-0.38 plain cycles beyond its verify).
+# at k = 0..4: each draft adds 0.37-0.38 plain cycles beyond its verify). `per_token`, what each
+# token past T = 5 adds to a verify (suffix cycles of 8-32 drafts), is a guess: the slope from
+# T = 4 to 5 was 0.20, and a longer verify fills the device better.
 DEVICES = {
     "h100": dict(verify={1: 1.0, 2: 1.54, 3: 1.74, 4: 1.82, 5: 2.02}, per_token=0.15, head_step=0.375,
                  plain_seconds=0.00294),
@@ -64,8 +67,11 @@ DEVICES = {
 class DeviceClock:
     """The virtual clock and what each cycle advances it by."""
 
-    def __init__(self, device: dict, noise: float, seed: int):
+    def __init__(self, device: dict, noise: float, seed: int, calibration_noise: Optional[float] = None):
         self.device, self.noise, self.draw = device, noise, random.Random(seed)
+        # The start-up calibration's own noise: on a GPU its first cycles of each shape also
+        # build graphs and compile kernels.
+        self.calibration_noise = noise if calibration_noise is None else calibration_noise
         self.now = 0.0
         self.decode_seconds = 0.0
 
@@ -77,10 +83,11 @@ class DeviceClock:
         longest = max(table)
         return table[T] if T in table else table[longest] + self.device["per_token"] * (T - longest)
 
-    def cycle(self, k: int, head_steps: int, switched: bool) -> float:
+    def cycle(self, k: int, head_steps: int, switched: bool, noise: Optional[float] = None) -> float:
         """Seconds of one cycle of depth k whose head chained `head_steps` drafts."""
         plain = self.verify(k + 1) + (head_steps + (1 if switched and head_steps else 0)) * self.device["head_step"]
-        return plain * self.device["plain_seconds"] * math.exp(self.draw.gauss(0.0, self.noise))
+        sigma = self.noise if noise is None else noise
+        return plain * self.device["plain_seconds"] * math.exp(self.draw.gauss(0.0, sigma))
 
     def advance(self, rec, switched: bool) -> None:
         head_steps = max((n for source, n in rec.drafted if source == "mtp"), default=0) if rec.drafted else rec.k
@@ -89,7 +96,8 @@ class DeviceClock:
         self.decode_seconds += dt
 
     def calibration(self, pieces, batch_size, max_depth, shape_stable, pipelined=False, kinds=("greedy", "sampled")):
-        return {kind: {k: self.cycle(k, k, False) for k in range(max_depth + 1)} for kind in kinds}
+        return {kind: {k: self.cycle(k, k, False, self.calibration_noise) for k in range(max_depth + 1)}
+                for kind in kinds}
 
 
 @contextmanager
@@ -100,9 +108,9 @@ def simulated(clock: DeviceClock):
              timing.CycleClock.finish)
     original_finish = timing.CycleClock.finish
 
-    def finish(self, rec, policy, kept, chances=None):
+    def finish(self, rec, *args, **kwargs):
         clock.advance(rec, self.switched)
-        return original_finish(self, rec, policy, kept, chances)
+        return original_finish(self, rec, *args, **kwargs)
 
     timing.time = cycle_module.time = batch_module.time = fake_time
     calibration.measure_cycle_costs = clock.calibration
@@ -154,7 +162,7 @@ def batch_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float
 def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: float, seed: int):
     """(per-round rates, the engine's depth counts) of one setting: depth 0 (MTP off), a fixed
     depth, or "adaptive", on one engine for all rounds (as a server keeps one)."""
-    clock = DeviceClock(device, args.noise, seed)
+    clock = DeviceClock(device, args.noise, seed, args.calibration_noise)
     with simulated(clock):
         engine = BatchGenerator(model, tok, EngineConfig(
             enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth, suffix_drafts=suffix))
@@ -179,6 +187,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=150)
     ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together each round")
     ap.add_argument("--noise", type=float, default=0.1, help="lognormal sigma of each cycle's cost")
+    ap.add_argument("--calibration-noise", type=float, default=None,
+                    help="lognormal sigma of the start-up calibration's costs (default: --noise)")
     ap.add_argument("--suffix", action="store_true", help="suffix drafts beside the head, every drafting setting")
     ap.add_argument("--workload", choices=["code", "repeat"], default="code")
     ap.add_argument("--seed", type=int, default=0)
