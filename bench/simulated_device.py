@@ -48,6 +48,7 @@ from mlxmtp.engine.batch import BatchGenerator  # noqa: E402
 from mlxmtp.engine.config import EngineConfig  # noqa: E402
 from mlxmtp.engine.generate import stream_generate  # noqa: E402
 from mlxmtp.engine.policy import calibration  # noqa: E402
+from mlxmtp.engine.request import Request  # noqa: E402
 from mlxmtp.engine.sampling.params import SamplingParams  # noqa: E402
 from mlxmtp.models.demo import demo_model_path  # noqa: E402
 from mlxmtp.models.load import load  # noqa: E402
@@ -144,8 +145,6 @@ def batch_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float
                depths: Counter) -> float:
     """Decode tokens per virtual second of `prompts` submitted together to `engine` (each
     request's cycles' depths added to `depths`)."""
-    from mlxmtp.engine.request import Request
-
     start, tokens = clock.decode_seconds, -len(prompts)
     reqs = [Request(prompt=list(p), max_tokens=max_tokens,
                     params=SamplingParams(temperature=temp, seed=seed + i, reproducible=True))
@@ -204,21 +203,26 @@ def main():
     for temp in [float(t) for t in args.temps.split(",")]:
         results = {d: run_setting(model, tok, device, d, args.suffix and d != 0, prompts, args, temp,
                                   args.seed * 1000 + i) for i, d in enumerate(settings)}
-        off = results[0][0]
-        print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}, "
-              f"noise={args.noise}, rounds={args.rounds}{', suffix' if args.suffix else ''}: decode rate over MTP off")
-        for d in settings:
-            rates, depths = results[d]
-            ratios = [a / b for a, b in zip(rates, off)]
-            label = "MTP off" if d == 0 else f"k={d}" if d != "adaptive" else "adaptive"
-            print(f"  {label:9s} {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
-                  + (f"  cycles {depths}" if depths else ""))
-        fixed = [d for d in settings if d != "adaptive"]
-        per_round = [results["adaptive"][0][r] / max(results[d][0][r] for d in fixed) for r in range(args.rounds)]
-        best = max(fixed, key=lambda d: sum(results[d][0]))
-        total = sum(results["adaptive"][0]) / sum(results[best][0])
-        print(f"  adaptive / best fixed: {total:.3f} over the run (best: {best}); per round "
-              + " ".join(f"{x:.2f}" for x in per_round))
+        report(args, temp, settings, results)
+
+def report(args, temp: float, settings, results) -> None:
+    """Each setting's decode rate over MTP off's (median and range over rounds), and adaptive's
+    over the best fixed setting's: over the run, and per round against that round's best."""
+    off = results[0][0]
+    print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}, "
+          f"noise={args.noise}, rounds={args.rounds}{', suffix' if args.suffix else ''}: decode rate over MTP off")
+    for d in settings:
+        rates, depths = results[d]
+        ratios = [a / b for a, b in zip(rates, off)]
+        label = "MTP off" if d == 0 else f"k={d}" if d != "adaptive" else "adaptive"
+        print(f"  {label:9s} {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+              + (f"  cycles {depths}" if depths else ""))
+    fixed = [d for d in settings if d != "adaptive"]
+    per_round = [results["adaptive"][0][r] / max(results[d][0][r] for d in fixed) for r in range(args.rounds)]
+    best = max(fixed, key=lambda d: sum(results[d][0]))
+    total = sum(results["adaptive"][0]) / sum(results[best][0])
+    print(f"  adaptive / best fixed: {total:.3f} over the run (best: {best}); per round "
+          + " ".join(f"{x:.2f}" for x in per_round))
 
 
 if __name__ == "__main__":
