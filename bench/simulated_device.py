@@ -46,7 +46,6 @@ from mlxmtp.engine import cycle as cycle_module  # noqa: E402
 from mlxmtp.engine import timing  # noqa: E402
 from mlxmtp.engine.batch import BatchGenerator  # noqa: E402
 from mlxmtp.engine.config import EngineConfig  # noqa: E402
-from mlxmtp.engine.generate import stream_generate  # noqa: E402
 from mlxmtp.engine.policy import calibration  # noqa: E402
 from mlxmtp.engine.request import Request  # noqa: E402
 from mlxmtp.engine.sampling.params import SamplingParams  # noqa: E402
@@ -123,17 +122,6 @@ def simulated(clock: DeviceClock):
          timing.CycleClock.finish) = saved
 
 
-def decode_rate(engine, clock: DeviceClock, tok, prompt, max_tokens: int, temp: float, seed: int,
-                depths: Counter) -> float:
-    """Decode tokens per virtual second of one request on `engine`; its cycles' depths added to `depths`."""
-    start, tokens = clock.decode_seconds, -1
-    params = SamplingParams(temperature=temp, seed=seed, reproducible=True)
-    for ev in stream_generate(None, tok, prompt, max_tokens=max_tokens, engine=engine, params=params):
-        tokens += len(ev.token_ids)
-        _count(depths, ev.stats)
-    return tokens / max(clock.decode_seconds - start, 1e-12)
-
-
 def _count(counts: Counter, stats) -> None:
     """Add a finished request's cycles by depth ("k=2") and by the policy's reason to `counts`."""
     if stats is not None:
@@ -141,10 +129,10 @@ def _count(counts: Counter, stats) -> None:
         counts.update(stats.depth_reasons)
 
 
-def batch_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float, seed: int,
-               depths: Counter) -> float:
-    """Decode tokens per virtual second of `prompts` submitted together to `engine` (each
-    request's cycles' depths added to `depths`)."""
+def decode_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float, seed: int,
+                depths: Counter) -> float:
+    """Decode tokens per virtual second of `prompts` submitted together to `engine` (one, or a
+    batch; each request's cycles' depths added to `depths`)."""
     start, tokens = clock.decode_seconds, -len(prompts)
     reqs = [Request(prompt=list(p), max_tokens=max_tokens,
                     params=SamplingParams(temperature=temp, seed=seed + i, reproducible=True))
@@ -169,11 +157,8 @@ def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: fl
             engine.calibrate(1)
         rates, depths = [], Counter()
         for r in range(args.rounds):
-            if args.concurrency > 1:
-                group = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
-                rates.append(batch_rate(engine, clock, group, args.max_tokens, temp, r, depths))
-            else:
-                rates.append(decode_rate(engine, clock, tok, prompts[r % len(prompts)], args.max_tokens, temp, r, depths))
+            group = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
+            rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths))
     return rates, dict(depths) if depth == "adaptive" else {}
 
 
@@ -204,6 +189,7 @@ def main():
         results = {d: run_setting(model, tok, device, d, args.suffix and d != 0, prompts, args, temp,
                                   args.seed * 1000 + i) for i, d in enumerate(settings)}
         report(args, temp, settings, results)
+
 
 def report(args, temp: float, settings, results) -> None:
     """Each setting's decode rate over MTP off's (median and range over rounds), and adaptive's
