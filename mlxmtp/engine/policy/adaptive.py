@@ -228,26 +228,28 @@ class DepthPolicy(Policy):
 
     def _due_probe(self, key: Tuple[int, str], best: int, costs: Dict[int, float], mean: Dict[int, float],
                    bound: Dict[int, float], limit: Optional[int]) -> Optional[int]:
-        """The depth to probe now, if a probe is due (see probes): spaced by what it forgoes
-        by the mean estimates, from plain decoding the switch included, and as rare as
-        allowed where not even perfect drafts could beat plain decoding."""
+        """The depth to probe now, if a probe is due (see probes): a price only the calibration gave that is
+        above the line through live ones first; else spaced by what it forgoes by the mean estimates, from
+        plain decoding the switch included, and as rare as allowed where not even perfect drafts could pay."""
         others = [k for k in costs if k != best and probes.fits(self._probe_plan(k), limit)]
         if not others:
             return None
-        alt = probes.climb(probes.target(others, best, mean, bound, self._costs(key).measured_at),
-                           self._costs(key).log_costs())
+        table, since = self._costs(key), self.cycles - self._last_probe
+        doubtful = probes.above_the_line(costs, *table.measured(costs, self.cfg.min_samples), self.cfg.cost_noise)
+        if since >= self.cfg.min_probe_every and set(doubtful) & set(others):
+            return min(set(doubtful) & set(others))  # a calibrated price to check first
+        alt = probes.climb(probes.target(others, best, mean, bound, table.measured_at), table.log_costs())
         # A depth whose acceptance is still mostly its class's (thin) is priced by what it
         # could turn out to be: only its own cycles can show it better than the class says.
         rates = {**mean, alt: bound[alt]} if alt in self._unlearnt or alt == 0 else mean
         loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, rates)
-        if best == 0:
-            loss += self.switch.cost(key)
-        measured, started = self._costs(key).measured(others, self.cfg.min_samples)
+        loss += self.switch.cost(key) if best == 0 else 0.0
+        measured, started = table.measured(others, self.cfg.min_samples)
         if best == 0 and probes.cannot_pay(measured, costs, mean[0], started=started, at_least=min(2, self.max_depth)):
             every = self.cfg.max_probe_every
         else:
             every = probes.spacing(loss, self.cfg.explore, self.cfg.min_probe_every, self.cfg.max_probe_every)
-        return alt if self.cycles - self._last_probe >= every else None
+        return alt if since >= every else None
 
     def plain_regime(self) -> bool:
         """Whether the depth in use outside probes is plain decoding (the engine then keeps

@@ -109,6 +109,23 @@ def cannot_pay(measured: List[int], costs: Dict[int, float], plain_rate: float,
             and all((k + 1) / costs[k] <= plain_rate for k in started))
 
 
+def above_the_line(costs: Dict[int, float], live: List[int], started: List[int], noise: float) -> List[int]:
+    """The depths priced by the start-up calibration alone (`started`) whose price sits more
+    than `noise` above the line through the two deepest depths measured live (plain decoding
+    among them): a verify's cost grows at most linearly with its tokens, so such a price is
+    more likely the calibration's noise (its first cycles of a shape also build graphs and
+    compile kernels) than the depth's. Each is probed before it may rule its depth out: a
+    depth that cannot pay at its price is never a probe's target, and one calibration that
+    priced k = 3 and 4 at twice their cost kept the best depth untried for a whole run
+    (BENCHMARKS.md, "The H100's cycle costs on this CPU's decoding")."""
+    anchors = [0, *live][-2:]
+    if len(anchors) < 2:
+        return []
+    (j, cj), (k, ck) = [(a, costs[a]) for a in anchors]
+    slope = (ck - cj) / (k - j)
+    return [d for d in started if costs[d] > (1 + noise) * (ck + slope * (d - k))]
+
+
 def spacing(loss: float, explore: float, least: int, most: int) -> int:
     """Cycles between probes that forgo `loss` (see forgone()) each, so that they cost an
     `explore` share of the throughput, within [least, most]."""
