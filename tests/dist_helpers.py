@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,26 @@ WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 def mlx_launch(args: List[str], timeout: float = 600, ranks: int = 2) -> subprocess.CompletedProcess:
     """`mlx.launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path),
     run by bench/distributed.py's `launch` (which keeps the launcher from spinning)."""
-    cmd = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(ranks), "-p", str(free_port()), "--", *args]
+    cmd = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(ranks), "-p", str(free_ports(ranks)), "--", *args]
     return _bench_distributed().launch(cmd, timeout=timeout, env=_env())
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports: the ring launcher gives rank r port
+    p + r, and a free p alone let rank 1 meet a port another test held ("Couldn't bind socket")."""
+    for _ in range(200):
+        first, held = free_port(), []
+        try:
+            for port in range(first, first + n):
+                held.append(socket.socket())
+                held[-1].bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _bench_distributed():
