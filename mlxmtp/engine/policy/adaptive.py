@@ -228,23 +228,23 @@ class DepthPolicy(Policy):
 
     def _due_probe(self, key: Tuple[int, str], best: int, costs: Dict[int, float], mean: Dict[int, float],
                    bound: Dict[int, float], limit: Optional[int]) -> Optional[int]:
-        """The depth to probe now, if a probe is due (see probes): a price only the calibration gave that is
-        above the line through live ones first; else spaced by what it forgoes by the mean estimates, from
-        plain decoding the switch included, and as rare as allowed where not even perfect drafts could pay."""
+        """The depth to probe now, if due (see probes): first a calibrated price above the line through live ones;
+        else spaced by what it forgoes (from plain decoding, the switch too), rarest where nothing could pay."""
         others = [k for k in costs if k != best and probes.fits(self._probe_plan(k), limit)]
         if not others:
             return None
         table, since = self._costs(key), self.cycles - self._last_probe
-        doubtful = probes.above_the_line(costs, *table.measured(costs, self.cfg.min_samples), self.cfg.cost_noise)
-        if since >= self.cfg.min_probe_every and set(doubtful) & set(others):
-            return min(set(doubtful) & set(others))  # a calibrated price to check first
+        live, seeded = table.measured(costs, self.cfg.min_samples)
+        doubtful = [k for k in probes.above_the_line(costs, live, seeded, self.cfg.cost_noise) if k in others]
+        if doubtful and since >= self.cfg.min_probe_every:
+            return min(doubtful)  # a calibrated price to check first
         alt = probes.climb(probes.target(others, best, mean, bound, table.measured_at), table.log_costs())
         # A depth whose acceptance is still mostly its class's (thin) is priced by what it
         # could turn out to be: only its own cycles can show it better than the class says.
         rates = {**mean, alt: bound[alt]} if alt in self._unlearnt or alt == 0 else mean
         loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, rates)
         loss += self.switch.cost(key) if best == 0 else 0.0
-        measured, started = table.measured(others, self.cfg.min_samples)
+        measured, started = [k for k in live if k in others], [k for k in seeded if k in others]
         if best == 0 and probes.cannot_pay(measured, costs, mean[0], started=started, at_least=min(2, self.max_depth)):
             every = self.cfg.max_probe_every
         else:
