@@ -16,23 +16,27 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 GREEDY, SAMPLED, REPRODUCIBLE = "greedy", "sampled", "reproducible"
 
 
-# A row's first OPENING_TOKENS answer tokens are a class of their own (`Opening`): there a
-# head can keep far fewer drafts than further on (the demo's: BENCHMARKS.md, Concurrency), and
-# a policy learns acceptance where it drafts, which is mostly where requests open (its
-# calibration, each request's own first drafts): learnt together, openings would price the
-# rest of every answer.
-OPENING_TOKENS = 16
+# The first OPENING_TOKENS tokens of a row's answer are learnt apart from the rest, in two
+# classes (`Opening`, split at OPENING_SPLIT): a head can keep far fewer drafts early in an answer
+# than further on (the demo's at k = 3: 1.86 drafts a cycle in the first 16 tokens, 2.30 in
+# tokens 16-40, 2.71 past them; BENCHMARKS.md, the H100's cycle costs on this CPU), and a policy
+# learns acceptance where it drafts, which is mostly where requests start (its calibration,
+# probes): learnt together, the start of every answer would price its rest. A request's own
+# first drafts come past its opening (requests.py), where most of its answer is.
+OPENING_SPLIT, OPENING_TOKENS = 16, 48
 
 
 class Opening(NamedTuple):
-    """The acceptance class of a row of this kind within its answer's first OPENING_TOKENS."""
+    """The acceptance class of a row of this kind within its answer's first OPENING_TOKENS: its
+    first OPENING_SPLIT (`part` 0) or the rest of them (1)."""
 
     kind: Hashable
+    part: int = 0
 
 
 def row_class(kind: Hashable, generated: int) -> Hashable:
     """The acceptance class of a row of this kind with `generated` answer tokens."""
-    return Opening(kind) if generated < OPENING_TOKENS else kind
+    return Opening(kind, int(generated >= OPENING_SPLIT)) if generated < OPENING_TOKENS else kind
 
 
 def kind_of(cls: Hashable) -> Hashable:
