@@ -18,11 +18,10 @@ GREEDY, SAMPLED, REPRODUCIBLE = "greedy", "sampled", "reproducible"
 
 # The first OPENING_TOKENS tokens of a row's answer are learnt apart from the rest, in two
 # classes (`Opening`, split at OPENING_SPLIT): a head can keep far fewer drafts early in an answer
-# than further on (the demo's at k = 3: 1.86 drafts a cycle in the first 16 tokens, 2.30 in
-# tokens 16-40, 2.71 past them; BENCHMARKS.md, the H100's cycle costs on this CPU), and a policy
-# learns acceptance where it drafts, which is mostly where requests start (its calibration,
-# probes): learnt together, the start of every answer would price its rest. A request's own
-# first drafts come past its opening (requests.py), where most of its answer is.
+# than further on (the demo's, by position: BENCHMARKS.md, the H100's cycle costs on this CPU),
+# and a policy learns acceptance where it drafts, which is mostly where requests start (its
+# calibration, probes): learnt together, the start of every answer would price its rest. A
+# request's own first drafts come past its opening (requests.py), where most of its answer is.
 OPENING_SPLIT, OPENING_TOKENS = 16, 48
 
 
