@@ -4,6 +4,7 @@ what the engine reports to it."""
 import math
 import random
 import time
+from collections import Counter
 
 import pytest
 
@@ -797,3 +798,29 @@ def test_a_calibrated_price_above_the_measured_line_is_checked_before_it_rules_a
     runs = [simulate(cost, accept, cycles=400, seed=seed, calibrated=seeded) for seed in range(6)]
     assert all(3 in chosen[:60] for chosen, _ in runs)
     assert sorted(tps for _, tps in runs)[3] > 0.94 * best  # the median, about (one seed's acceptance is unlucky)
+
+
+
+def _dear_first_probe(depth: int, cycles: int, factor: float):
+    """H100 costs, except that the first `cycles` cycles of `depth` cost `factor` times more."""
+    seen = Counter()
+
+    def cost(k):
+        seen[k] += 1
+        return H100_COSTS[k] * (factor if k == depth and seen[k] <= cycles else 1.0)
+
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_price_one_probe_measured_is_checked_before_it_keeps_plain_decoding_on(seed):
+    # Four rows (no calibration), the H100's costs: the first probe beyond k = 1 reads k = 2 20%
+    # dear (its few ratios all came out high), so k = 1 and 2 look unable to pay and the line
+    # through them prices k = 3 and 4 out: plain decoding for the rest of the run (0.84 of the
+    # best rate; the emulator's four rows, seed 1: 367 of 450 cycles plain). A depth that one
+    # probe measured is probed again before its price keeps plain decoding on.
+    accept = [0.94, 0.9, 0.85, 0.8]
+    best = max((1 + sum(math.prod(accept[:i]) for i in range(1, k + 1))) / H100_COSTS[k] for k in range(5))
+    chosen, tps = simulate(_dear_first_probe(2, 4, 1.2), accept, cycles=400, seed=seed, batch=4, noise=0.05)
+    assert any(k >= 3 for k in chosen[:150])
+    assert tps / 4 > 0.93 * best

@@ -228,19 +228,21 @@ class DepthPolicy(Policy):
 
     def _due_probe(self, key: Tuple[int, str], best: int, costs: Dict[int, float], mean: Dict[int, float],
                    bound: Dict[int, float], limit: Optional[int]) -> Optional[int]:
-        """The depth to probe now, if due (see probes): first a calibrated price above the line through live ones;
+        """The depth to probe now, if due (see probes): first a price to check (a calibrated one above the line
+        through live ones; from plain decoding without calibration, one a single probe measured: CycleCosts.measured_once);
         else spaced by what it forgoes (from plain decoding, the switch too), rarest where nothing could pay."""
         others = [k for k in costs if k != best and probes.fits(self._probe_plan(k), limit)]
         if not others:
             return None
         table, since = self._costs(key), self.cycles - self._last_probe
         live, seeded = table.measured(costs, self.cfg.min_samples)
-        doubtful = [k for k in probes.above_the_line(costs, live, seeded, self.cfg.cost_noise) if k in others]
+        once = table.measured_once(self.cfg.min_samples) if best == 0 and not table.priors else []
+        once = probes.worth_rechecking(once, bound, self.cfg.cost_noise)
+        doubtful = [k for k in probes.above_the_line(costs, live, seeded, self.cfg.cost_noise) + once if k in others]
         if doubtful and since >= self.cfg.min_probe_every:
-            return min(doubtful)  # a calibrated price to check first
+            return min(doubtful)
         alt = probes.climb(probes.target(others, best, mean, bound, table.measured_at), table.log_costs())
-        # A depth whose acceptance is still mostly its class's (thin) is priced by what it
-        # could turn out to be: only its own cycles can show it better than the class says.
+        # A depth whose acceptance is mostly its class's is priced by what it could turn out to be.
         rates = {**mean, alt: bound[alt]} if alt in self._unlearnt or alt == 0 else mean
         loss = probes.forgone(self._probe_plan(alt).count(alt), alt, best, costs, rates)
         loss += self.switch.cost(key) if best == 0 else 0.0
@@ -274,8 +276,7 @@ class DepthPolicy(Policy):
         (by the optimistic estimates) and whose own steady cycles have tried fewer than
         `learn_drafts` first drafts for a class of the batch (why: probes.plan)."""
         regime = mean.get(self.regime, max(mean.values()))
-        rows = Counter(classes)
-        out = {}
+        rows, out = Counter(classes), {}
         for k in mean:
             if k > 0 and bound[k] > regime:
                 need = max((self.cfg.learn_drafts - self.accept.tried_at(cls, k)) / n for cls, n in rows.items())
@@ -290,8 +291,7 @@ class DepthPolicy(Policy):
         """Record one cycle (Policy.update); only a cycle of the head's drafts teaches acceptance."""
         key = cost_key(batch_size, classes)
         self.switch.update(k, key, seconds if head else None, switch_seconds, self._costs)
-        # Acceptance is learnt from cycles that follow one of the same depth (the steady
-        # state of that depth: see probes.plan).
+        # Acceptance is learnt from cycles that follow one of the same depth (its steady state: probes.plan).
         steady, self._last_k = k == self._last_k, k if head else None
         if k > 0 and steady and head:
             self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row), requests,

@@ -72,6 +72,14 @@ class CycleCosts:
         seeded = {k for _, k in self.priors}
         return live, [k for k in sorted(depths) if k > 0 and k not in live and k in seeded]
 
+    def measured_once(self, min_samples: int) -> List[int]:
+        """The drafting depths timed live whose price rests on a single probe (fewer than twice
+        `min_samples` ratios): a few cycles' noise. On a batch size with no calibration, plain
+        decoding's regime, one probe that read k = 2 20% dear priced k = 3 and 4 by the line through
+        it out of every probe for a whole run (BENCHMARKS.md, four rows on the H100's costs), so the
+        policy measures such a price again where that could change its choice (probes.worth_rechecking)."""
+        return [k for k in sorted(self.measured_at) if k > 0 and 0 < self.samples(k) < 2 * min_samples]
+
     def samples(self, k: int) -> int:
         """How many neighbour ratios involve depth k."""
         return sum(len(w) for pair, w in self.pairs.items() if k in pair)
