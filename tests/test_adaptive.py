@@ -800,7 +800,6 @@ def test_a_calibrated_price_above_the_measured_line_is_checked_before_it_rules_a
     assert sorted(tps for _, tps in runs)[3] > 0.94 * best  # the median, about (one seed's acceptance is unlucky)
 
 
-
 def _dear_first_probe(depth: int, cycles: int, factor: float):
     """H100 costs, except that the first `cycles` cycles of `depth` cost `factor` times more."""
     seen = Counter()

@@ -74,10 +74,11 @@ class CycleCosts:
 
     def measured_once(self, min_samples: int) -> List[int]:
         """The drafting depths timed live whose price rests on a single probe (fewer than twice
-        `min_samples` ratios): a few cycles' noise. On a batch size with no calibration, plain
-        decoding's regime, one probe that read k = 2 20% dear priced k = 3 and 4 by the line through
-        it out of every probe for a whole run (BENCHMARKS.md, four rows on the H100's costs), so the
-        policy measures such a price again where that could change its choice (probes.worth_rechecking)."""
+        `min_samples` ratios), which a few noisy cycles can put 20% off. At a batch size with no
+        calibration, decoding plainly, one probe that read k = 2 20% dear priced k = 3 and 4, by the
+        line through it, out of every probe for a whole run (BENCHMARKS.md, four rows on the H100's
+        costs); the policy measures such a price again where that could change its choice
+        (probes.worth_rechecking)."""
         return [k for k in sorted(self.measured_at) if k > 0 and 0 < self.samples(k) < 2 * min_samples]
 
     def samples(self, k: int) -> int:

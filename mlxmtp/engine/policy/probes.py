@@ -128,8 +128,8 @@ def above_the_line(costs: Dict[int, float], live: List[int], started: List[int],
 
 def worth_rechecking(once: List[int], bound: Dict[int, float], noise: float) -> List[int]:
     """The depths of `once`, priced by a single probe (CycleCosts.measured_once), that would beat
-    plain decoding by their optimistic rates (`bound`) at a price two `noise` lower, as far off as
-    one probe's few ratios can be: only there can measuring again change the choice."""
+    plain decoding by their optimistic rates (`bound`) at their price divided by 1 + 2 * `noise`
+    (as far off as one probe's few ratios can be): only there can measuring again change the choice."""
     return [k for k in once if k in bound and bound[k] * (1 + 2 * noise) > bound[0]]
 
 
