@@ -76,7 +76,12 @@ H100_COSTS = [1.0, 1.91, 2.48, 2.95, 3.53]
 
 
 def best_rate(cost, accept, max_depth=4):
-    rates = {k: sum(accept**i for i in range(k + 1)) / cost(k) for k in range(max_depth + 1)}
+    """(the best depth, each depth's tokens per unit of cost) for drafts kept with probability
+    `accept`: one number, or a list per position (each given the drafts before it were kept)."""
+    if isinstance(accept, list):
+        rates = {k: (1 + sum(math.prod(accept[:i]) for i in range(1, k + 1))) / cost(k) for k in range(max_depth + 1)}
+    else:
+        rates = {k: sum(accept**i for i in range(k + 1)) / cost(k) for k in range(max_depth + 1)}
     return max(rates, key=rates.get), rates
 
 
@@ -335,7 +340,7 @@ def test_the_start_of_an_answer_does_not_price_its_rest(seed):
     # too low: 0.87 of the best rate on seeds 0-7 (0.96 apart). The best choice per
     # part (plain, k = 1, k = 4) makes 150 tokens for 16 + 32 / 1.10 + 102 / 1.52 = 112 plain cycles.
     cost = lambda k: 1.0 + 0.45 * k  # noqa: E731
-    accept_at = lambda position: 0.3 if position < OPENING_SPLIT else 0.6 if position < 48 else 0.92  # noqa: E731
+    accept_at = lambda position: 0.3 if position < OPENING_SPLIT else 0.6 if position < OPENING_TOKENS else 0.92  # noqa: E731
     apart = answers(lambda position: row_class(GREEDY, position), accept_at, cost, length=150, seed=seed)
     first_part_only = answers(lambda position: Opening(GREEDY) if position < OPENING_SPLIT else GREEDY,
                               accept_at, cost, length=150, seed=seed)
@@ -794,7 +799,7 @@ def test_a_calibrated_price_above_the_measured_line_is_checked_before_it_rules_a
     cost = lambda k: H100_COSTS[k]  # noqa: E731
     accept = [0.94, 0.9, 0.85, 0.8]
     seeded = {k: 0.003 * H100_COSTS[k] * (2.0 if k >= 3 else 1.0) for k in range(5)}
-    best = max((1 + sum(math.prod(accept[:i]) for i in range(1, k + 1))) / cost(k) for k in range(5))
+    best = max(best_rate(cost, accept)[1].values())
     runs = [simulate(cost, accept, cycles=400, seed=seed, calibrated=seeded) for seed in range(6)]
     assert all(3 in chosen[:60] for chosen, _ in runs)
     assert sorted(tps for _, tps in runs)[3] > 0.94 * best  # the median, about (one seed's acceptance is unlucky)
@@ -819,7 +824,7 @@ def test_a_price_one_probe_measured_is_checked_before_it_keeps_plain_decoding_on
     # best rate; the emulator's four rows, seed 1: 367 of 450 cycles plain). A depth that one
     # probe measured is probed again before its price keeps plain decoding on.
     accept = [0.94, 0.9, 0.85, 0.8]
-    best = max((1 + sum(math.prod(accept[:i]) for i in range(1, k + 1))) / H100_COSTS[k] for k in range(5))
+    best = max(best_rate(lambda k: H100_COSTS[k], accept)[1].values())
     chosen, tps = simulate(_dear_first_probe(2, 4, 1.2), accept, cycles=400, seed=seed, batch=4, noise=0.05)
     assert any(k >= 3 for k in chosen[:150])
     assert tps / 4 > 0.93 * best
