@@ -22,7 +22,9 @@ loss of train_demo_model.py plus that attention loss:
    task's answer, the token the next one copies from (copy_alignment.py: through a renamed
    name and an Edit call's JSON escapes, where matching tokens finds nothing), and at every
    other position whose last MATCH tokens occurred before, the position after the earlier
-   occurrence that matches the most tokens back.
+   occurrence that matches the most tokens back. An answer position whose last two tokens went
+   on otherwise before (a line that occurs twice: where greedy copies lost their place) weighs
+   HARD_WEIGHT in the attention loss and adds its next token's cross-entropy (`--hard 0`: off).
 
 Then the head is distilled again on the model's own output (train_demo_model.py
 finetune-head), since the backbone moved, and packaged:
@@ -67,6 +69,11 @@ MATCH = 4  # tokens that must have occurred before for a position to get an atte
 LOOK_BACK = 64  # tokens compared back to choose between earlier occurrences
 SUPERVISED_HEADS = [0, 1]  # the query heads sharing key-value head 0, in each full-attention layer
 ATTENTION_WEIGHT = 1.0
+# An answer position whose last two tokens occurred before followed by another token than the
+# one it copies (where a line occurs twice): greedy copies lose their place there (the held-out
+# failures of `measure`), so its attention loss counts HARD_WEIGHT times and its next token's
+# cross-entropy is added again, HARD_CE times (`--hard 0` turns both off).
+HARD_WEIGHT, HARD_CE = 4.0, 1.0
 # phase -> rows (span rows, task rows, plain windows per batch), row length, steps, peak
 # learning rate, warm-up steps, seed of the rows drawn, and where the attention targets come
 # from: "spans" (a span row's own copies; other rows have none) or "matches" (every row's
@@ -182,13 +189,27 @@ def task_tokens(chat_tok, tok, task) -> tuple[list, dict]:
     return encoded.ids, copy_alignment.token_targets(encoded.offsets, copy_alignment.char_sources(text, prompt_len, task))
 
 
-def task_targets(row, copied: dict) -> tuple:
-    """(queries, keys) for a task row: its answers' copy targets, and `induction_targets`
-    at the positions those leave (a tool call's frame, code the prompt repeats)."""
+def task_targets(row, copied: dict, hard_weight: float = HARD_WEIGHT) -> tuple:
+    """(queries, keys, weights) for a task row: its answers' copy targets, and
+    `induction_targets` at the positions those leave (a tool call's frame, code the prompt
+    repeats); an ambiguous answer position weighs `hard_weight`, any other 1."""
     found = dict(zip(*induction_targets(row)))
     found.update(copied)
     queries = sorted(found)
-    return queries, [found[q] for q in queries]
+    hard = ambiguous(row, copied)
+    return queries, [found[q] for q in queries], [hard_weight if q in hard else 1.0 for q in queries]
+
+
+def ambiguous(row, positions) -> set:
+    """The positions q whose last two tokens occurred earlier in the row followed by another
+    token than row[q + 1]."""
+    wanted, successors, found = set(positions), {}, set()
+    for q in range(1, len(row) - 1):
+        seen = successors.setdefault((int(row[q - 1]), int(row[q])), set())
+        if q in wanted and seen - {int(row[q + 1])}:
+            found.add(q)
+        seen.add(int(row[q + 1]))
+    return found
 
 
 def span_row(data: np.ndarray, gen: np.random.Generator, vocab: int, seq_len: int, longest: int,
@@ -243,13 +264,15 @@ def _matched(row, j: int, i: int) -> int:
 
 
 def batch_arrays(rows, targets):
-    """Rows and their (queries, keys) -> tokens [B, T], and row, query and key index arrays."""
+    """Rows and their (queries, keys[, weights]) -> tokens [B, T], row, query and key index
+    arrays, and the targets' weights (1 where none are given)."""
     import mlx.core as mx
 
     index = [np.asarray(a, dtype=np.int32) for a in (
-        np.concatenate([[b] * len(q) for b, (q, _) in enumerate(targets)]),
-        np.concatenate([q for q, _ in targets]), np.concatenate([k for _, k in targets]))]
-    return (mx.array(np.stack(rows)), *(mx.array(a) for a in index))
+        np.concatenate([[b] * len(t[0]) for b, t in enumerate(targets)]),
+        np.concatenate([t[0] for t in targets]), np.concatenate([t[1] for t in targets]))]
+    weights = np.concatenate([t[2] if len(t) > 2 else np.ones(len(t[0])) for t in targets])
+    return (mx.array(np.stack(rows)), *(mx.array(a) for a in index), mx.array(weights.astype(np.float32)))
 
 
 @contextmanager
@@ -281,13 +304,24 @@ def recorded_attention(probs: list):
         qwen3_next.scaled_dot_product_attention = original
 
 
-def attention_loss(probs: list, rows, queries, keys):
-    """Mean -log weight the supervised heads of the backbone's two full-attention layers
-    give their induction targets."""
+def attention_loss(probs: list, rows, queries, keys, weights):
+    """Weighted mean -log weight the supervised heads of the backbone's two full-attention
+    layers give their induction targets."""
     import mlx.core as mx
 
-    losses = [-mx.log(p[:, SUPERVISED_HEADS][rows, :, queries, keys] + 1e-6).mean() for p in probs[:2]]
+    w = weights[:, None] / weights.sum() / len(SUPERVISED_HEADS)
+    losses = [-(w * mx.log(p[:, SUPERVISED_HEADS][rows, :, queries, keys] + 1e-6)).sum() for p in probs[:2]]
     return sum(losses) / len(losses)
+
+
+def hard_cross_entropy(logits, tokens, rows, queries, weights):
+    """Mean cross-entropy of the next token at the targets weighing more than 1 (0 if none)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    hard = (weights > 1).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits[rows, queries], tokens[rows, queries + 1], reduction="none")
+    return (hard * ce).sum() / mx.maximum(hard.sum(), 1.0)
 
 
 def _task(texts, rng):
@@ -316,7 +350,7 @@ def copy_rate(model, tok_wrapper, tasks, max_tokens: int = 400) -> float:
     return float(np.mean(rates))
 
 
-def phase_rows(phase: str, data, tasks, gen, vocab: int, step: int):
+def phase_rows(phase: str, data, tasks, gen, vocab: int, step: int, hard_weight: float = HARD_WEIGHT):
     """One step's rows (task rows, span rows, plain windows) and their attention targets."""
     p, s = PHASES[phase], SPANS[phase]
     L = p["seq_len"] + 2
@@ -325,7 +359,8 @@ def phase_rows(phase: str, data, tasks, gen, vocab: int, step: int):
     task = list(tasks[step * p["tasks"] : (step + 1) * p["tasks"]])
     rows = [r for r, _ in task] + [r for r, _, _ in spans] + plain
     if p["targets"] == "matches":
-        return rows, [task_targets(*t) for t in task] + [induction_targets(r) for r in rows[len(task):]]
+        hard = [task_targets(*t, hard_weight=hard_weight) for t in task]
+        return rows, hard + [induction_targets(r) for r in rows[len(task):]]
     return rows, [([], [])] * len(task) + [(q, k) for _, q, k in spans] + [([], [])] * len(plain)
 
 
@@ -340,7 +375,8 @@ def cmd_train(args) -> None:
     from mlxmtp.models import demo
 
     p = {**PHASES[args.phase], **({"seed": args.seed, "task_seed": args.seed} if args.seed is not None else {}),
-         **({"steps": args.steps} if args.steps else {}), **({"lr": args.lr} if args.lr else {})}
+         **({"steps": args.steps} if args.steps else {}), **({"lr": args.lr} if args.lr else {}),
+         "hard_weight": HARD_WEIGHT if args.hard else 1.0, "hard_ce": HARD_CE if args.hard else 0.0}
     model, head, tok, cfg = load_float32(args.hf)
     parts, probs, vocab = text_parts(model), [], tok.get_vocab_size() - 16
     train_files, held_files = base.stdlib_files()
@@ -355,11 +391,13 @@ def cmd_train(args) -> None:
             super().__init__()
             self.model, self.head = model, head
 
-    def loss(_, tokens, rows, queries, keys):
+    def loss(_, tokens, rows, queries, keys, weights):
         probs.clear()
-        total, aux = base.losses(parts, head, tokens)
-        attention = attention_loss(probs, rows, queries, keys)
-        return total + ATTENTION_WEIGHT * attention, (aux[0], attention)
+        logits = []
+        total, aux = base.losses(parts, head, tokens, logits_into=logits)
+        attention = attention_loss(probs, rows, queries, keys, weights)
+        hard = hard_cross_entropy(logits[0], tokens, rows, queries, weights)
+        return total + ATTENTION_WEIGHT * attention + p["hard_ce"] * hard, (aux[0], attention, hard)
 
     joint = Joint()
     opt = optim.AdamW(learning_rate=p["lr"], betas=(0.9, 0.95), weight_decay=base.WEIGHT_DECAY)
@@ -369,7 +407,7 @@ def cmd_train(args) -> None:
     recurrent_gdn, q35.gated_delta_update = q35.gated_delta_update, gated_delta_chunked
     with recorded_attention(probs):
         for step in range(p["steps"]):
-            rows, targets = phase_rows(args.phase, data, tasks, gen, vocab, step)
+            rows, targets = phase_rows(args.phase, data, tasks, gen, vocab, step, p["hard_weight"])
             warm = min(1.0, (step + 1) / p["warmup"])
             opt.learning_rate = p["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / p["steps"])))
             (total, aux), grads = value_grad(joint, *batch_arrays(rows, targets))
@@ -377,7 +415,8 @@ def cmd_train(args) -> None:
             opt.update(joint, grads)
             mx.eval(joint.parameters(), opt.state, total)
             if step % 20 == 0 or step == p["steps"] - 1:
-                curve.append({"step": step, "main_ce": aux[0].item(), "attention": aux[1].item(), **evaluate()})
+                curve.append({"step": step, "main_ce": aux[0].item(), "attention": aux[1].item(),
+                              "hard_ce": aux[2].item(), **evaluate()})
                 print(json.dumps(curve[-1]), f"[{time.perf_counter() - t0:.0f}s]", flush=True)
     q35.gated_delta_update = recurrent_gdn
     export(model, head, cfg, tok, args, {"phase": args.phase, **p, "look_back": LOOK_BACK, "spans": SPANS[args.phase],
@@ -397,19 +436,22 @@ def held_out_eval(parts, head, probs, held, held_files, chat_tok, tok, vocab):
     task_batch = batch_arrays([r for r, _ in tasks], [task_targets(*t) for t in tasks])
 
     def copied(batch):
-        tokens, rows, queries, keys = batch
+        tokens, rows, queries, keys, weights = batch
         probs.clear()
         logits, _ = base.forward(parts, head, tokens)
-        hit = mx.argmax(logits, -1)[rows, queries] == tokens[rows, keys]
-        return hit.astype(mx.float32).mean().item(), attention_loss(probs, rows, queries, keys).item()
+        hit = (mx.argmax(logits, -1)[rows, queries] == tokens[rows, keys]).astype(mx.float32)
+        hard = (weights > 1).astype(mx.float32)
+        hard_hits = ((hit * hard).sum() / mx.maximum(hard.sum(), 1.0)).item()
+        return hit.mean().item(), attention_loss(probs, rows, queries, keys, weights).item(), hard_hits
 
     def evaluate() -> dict:
         probs.clear()
         _, ev = base.losses(parts, head, code)
-        span_hits, span_attention = copied(span_batch)
-        task_hits, task_attention = copied(task_batch)
+        span_hits, span_attention, _ = copied(span_batch)
+        task_hits, task_attention, hard_hits = copied(task_batch)
         return {"heldout_main_ce": ev[0].item(), "heldout_agree": ev[3].item(), "span_copied": span_hits,
-                "span_attention": span_attention, "task_copied": task_hits, "task_attention": task_attention}
+                "span_attention": span_attention, "task_copied": task_hits, "task_attention": task_attention,
+                "task_hard_copied": hard_hits}
 
     return evaluate
 
@@ -449,6 +491,7 @@ def main(argv=None) -> None:
         t.add_argument("--seed", type=int, default=None, help="of the rows drawn (default: the phase's)")
         t.add_argument("--steps", type=int, default=None, help="(default: the phase's)")
         t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the phase's)")
+        t.add_argument("--hard", type=int, default=1, help="weigh ambiguous answer positions (HARD_WEIGHT)")
         t.set_defaults(phase=phase, run=cmd_train)
     m = sub.add_parser("measure")
     m.add_argument("--model", default=None)

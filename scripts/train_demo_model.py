@@ -234,11 +234,13 @@ def forward(parts, head, batch):
     return logits, hl
 
 
-def losses(parts, head, batch):
+def losses(parts, head, batch, logits_into: list | None = None):
     import mlx.core as mx
     import mlx.nn as nn
 
     logits, hl = forward(parts, head, batch)
+    if logits_into is not None:  # a caller adding losses of its own on the main logits
+        logits_into.append(logits)
     main = nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
     head_hard = nn.losses.cross_entropy(hl, batch[:, 2:], reduction="mean")
     teacher = mx.stop_gradient(mx.softmax(logits[:, 1:].astype(mx.float32), axis=-1))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import socket
 import sys
 import threading
 import time
@@ -34,12 +33,6 @@ def served_engine(**fields) -> EngineConfig:
     return dataclasses.replace(SERVED_ENGINE, **fields)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def load_bench_module(name: str = "load"):
     """bench/NAME.py as the module `bench_NAME` (by default bench/load.py: ServerProcess,
     the load generator)."""
@@ -48,6 +41,9 @@ def load_bench_module(name: str = "load"):
     sys.modules[f"bench_{name}"] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
     return mod
+
+
+free_port = load_bench_module().free_port  # a free local port: bench/load.py's, which starts servers too
 
 
 class ServerThread:

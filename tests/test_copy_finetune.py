@@ -46,6 +46,23 @@ def test_span_rows_target_the_first_copy_from_every_position_of_the_second():
             assert k <= q < n + 1 and row[k - 1] == row[q] and row[k] == row[q + 1], (phase, q, k)
 
 
+def test_an_answer_position_where_its_last_two_tokens_went_on_otherwise_before_weighs_more():
+    """Where a line occurs twice, greedy copies lose their place: such answer positions (their
+    last two tokens followed earlier by another token than the one copied) weigh HARD_WEIGHT
+    in the attention loss and add their cross-entropy again; other positions weigh 1."""
+    script = _script()
+    row = np.array([5, 1, 2, 3, 9, 8, 1, 2, 4, 7, 1, 2, 3, 9])
+    # copies at 7 (1 2 -> 4, where 1 2 went on as 3 before), 11 (1 2 -> 3, seen with 3 and 4), 12 (2 3 -> 9 as before)
+    copied = {7: 3, 11: 3, 12: 4}
+    assert script.ambiguous(row, copied) == {7, 11}
+    queries, keys, weights = script.task_targets(row, copied)
+    assert dict(zip(queries, weights)) == {7: script.HARD_WEIGHT, 11: script.HARD_WEIGHT, 12: 1.0}
+    assert dict(zip(queries, keys)) == {7: 3, 11: 3, 12: 4}
+    assert set(script.task_targets(row, copied, hard_weight=1.0)[2]) == {1.0}
+    tokens, rows, q, k, w = script.batch_arrays([row, row], [(queries, keys, weights), ([2], [1])])
+    assert w.tolist() == [*weights, 1.0] and rows.tolist() == [0, 0, 0, 1]
+
+
 @pytest.mark.slow
 def test_the_demo_copies_a_held_out_file_it_is_asked_to_print_back():
     """Greedy, the packaged demo reproduces most of a held-out file asked back with a name
