@@ -272,7 +272,7 @@ def oai(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def chat(url, text, tools, stream=False, max_tokens=48):
+def chat(url, text, tools, stream=False, max_tokens=96):
     """(content, [(name, arguments)]) of a greedy chat completion."""
     kw = dict(model="m", max_tokens=max_tokens, temperature=0, messages=[{"role": "user", "content": text}],
               tools=tools)
@@ -288,7 +288,7 @@ def chat(url, text, tools, stream=False, max_tokens=48):
     return content, [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())]
 
 
-def responses(url, text, tools, stream=False, max_tokens=48):
+def responses(url, text, tools, stream=False, max_tokens=96):
     kw = dict(model="m", max_output_tokens=max_tokens, temperature=0, input=text,
               tools=[{"type": "function", **t["function"]} for t in tools])
     if stream:  # free text after the call runs to the limit: the response ends incomplete
@@ -316,7 +316,7 @@ def test_calls_the_model_opens_are_held_with_the_flag(demo_servers):
     content, calls = chat(demo_servers["flag"], "OPEN weather?", TOOLS, stream=True)
     assert len(calls) == 1 and all(valid(n, a) for n, a in calls), calls
     msg = anthropic.Anthropic(base_url=demo_servers["flag"], api_key="x", max_retries=0, timeout=120).messages.create(
-        model="m", max_tokens=48, messages=[{"role": "user", "content": "OPEN weather?"}], extra_body={"temperature": 0},
+        model="m", max_tokens=96, messages=[{"role": "user", "content": "OPEN weather?"}], extra_body={"temperature": 0},
         tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS])
     calls = [(b.name, b.input) for b in msg.content if b.type == "tool_use"]
     assert len(calls) == 1 and all(valid(n, a) for n, a in calls), calls
