@@ -78,10 +78,8 @@ H100_COSTS = [1.0, 1.91, 2.48, 2.95, 3.53]
 def best_rate(cost, accept, max_depth=4):
     """(the best depth, each depth's tokens per unit of cost) for drafts kept with probability
     `accept`: one number, or a list per position (each given the drafts before it were kept)."""
-    if isinstance(accept, list):
-        rates = {k: (1 + sum(math.prod(accept[:i]) for i in range(1, k + 1))) / cost(k) for k in range(max_depth + 1)}
-    else:
-        rates = {k: sum(accept**i for i in range(k + 1)) / cost(k) for k in range(max_depth + 1)}
+    accept = accept if isinstance(accept, list) else [accept] * max_depth
+    rates = {k: (1 + sum(math.prod(accept[:i]) for i in range(1, k + 1))) / cost(k) for k in range(max_depth + 1)}
     return max(rates, key=rates.get), rates
 
 
