@@ -190,16 +190,22 @@ def asked_again(ref, tok, prompt, n):
     return prompt + answer + prompt
 
 
+def workload_prompts(workload: str, ref, tok, max_tokens: int, rounds: int) -> list:
+    """The prompts (token ids) of a workload: "code", the demo's code prompts; "repeat", each
+    asked again after the model's own answer (`asked_again`, `ref` the mlx-lm model);
+    "rename" and "edit", a task per held-out file (demo_tasks), `rounds` of them."""
+    if workload in ("rename", "edit"):
+        return [tok.encode(demo_tasks.render(tok, task, with_answer=False))
+                for task in demo_tasks.held_out_tasks(workload, rounds)]
+    prompts = [tok.encode(p) for p in PROMPTS]
+    return [asked_again(ref, tok, p, max_tokens) for p in prompts] if workload == "repeat" else prompts
+
+
 def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantized=False, chunk=16,
                 compiled=False, shape_stable=None, pipelined=False, suffix=False, workload="code", same_text=True):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    if workload == "repeat":
-        prompts = [asked_again(ref, tok, p, max_tokens) for p in prompts]
-    elif workload in ("rename", "edit"):
-        prompts = [tok.encode(demo_tasks.render(tok, task, with_answer=False))
-                   for task in demo_tasks.held_out_tasks(workload, rounds)]
+    prompts = workload_prompts(workload, ref, tok, max_tokens, rounds)
     drafting = [(f"mlxmtp k={k}", k) for k in depths] + [("mlxmtp adaptive", "adaptive")]
     variants = [v for v, on in (("compiled", compiled), ("pipelined", pipelined), ("suffix", suffix)) if on]
     twins = [(f"{label}, {v}", k) for v in variants for label, k in drafting]

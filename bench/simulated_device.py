@@ -22,6 +22,7 @@ size is taken not to change them (the demo is launch-bound on a GPU).
     python bench/simulated_device.py                          # H100, greedy and 0.6, code
     python bench/simulated_device.py --temps 0 --rounds 6 --noise 0.05
     python bench/simulated_device.py --suffix --workload repeat
+    python bench/simulated_device.py --suffix --workload edit --depths 3 --max-tokens 200
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_lm  # noqa: E402
-from decode import PROMPTS, asked_again  # noqa: E402
+from decode import workload_prompts  # noqa: E402
 
 from mlxmtp.engine import batch as batch_module  # noqa: E402
 from mlxmtp.engine import cycle as cycle_module  # noqa: E402
@@ -174,15 +175,14 @@ def main():
     ap.add_argument("--calibration-noise", type=float, default=None,
                     help="lognormal sigma of the start-up calibration's costs (default: --noise)")
     ap.add_argument("--suffix", action="store_true", help="suffix drafts beside the head, every drafting setting")
-    ap.add_argument("--workload", choices=["code", "repeat"], default="code")
+    ap.add_argument("--workload", choices=["code", "repeat", "rename", "edit"], default="code",
+                    help="the prompts (bench/decode.py's workloads)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     path = str(demo_model_path())
     model, tok = load(path)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    if args.workload == "repeat":
-        ref, _ = mlx_lm.load(path)
-        prompts = [asked_again(ref, tok, p, args.max_tokens) for p in prompts]
+    ref = mlx_lm.load(path)[0] if args.workload == "repeat" else None
+    prompts = workload_prompts(args.workload, ref, tok, args.max_tokens, args.rounds)
     device = DEVICES[args.device]
     settings = [0, *[int(d) for d in args.depths.split(",") if d], "adaptive"]
     for temp in [float(t) for t in args.temps.split(",")]:

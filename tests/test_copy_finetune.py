@@ -63,6 +63,23 @@ def test_an_answer_position_where_its_last_two_tokens_went_on_otherwise_before_w
     assert w.tolist() == [*weights, 1.0] and rows.tolist() == [0, 0, 0, 1]
 
 
+def test_task_rows_draw_only_the_kinds_asked_for():
+    """`--kinds edit,edit,repeat`: an edit task twice as often as a file printed back, never a
+    rename (the sixth copy run drew Edit calls half the time)."""
+    import os
+    import random
+    from collections import Counter
+
+    stdlib = Path(os.__file__).resolve().parent
+    texts = [(name, (stdlib / name).read_text()) for name in ("textwrap.py", "shlex.py", "fnmatch.py")]
+    rng, script = random.Random(0), _script()
+    kinds = Counter()
+    for _ in range(60):
+        messages, tools, _answer = script._task(texts, rng, ["edit", "edit", "repeat"])
+        kinds["edit" if tools else "rename" if "Rename" in messages[0]["content"] else "repeat"] += 1
+    assert kinds["rename"] == 0 and kinds["edit"] > kinds["repeat"] > 0
+
+
 @pytest.mark.slow
 def test_the_demo_copies_a_held_out_file_it_is_asked_to_print_back():
     """Greedy, the packaged demo reproduces most of a held-out file asked back with a name
