@@ -385,7 +385,7 @@ def cmd_train(args) -> None:
     p = {**PHASES[args.phase], **({"seed": args.seed, "task_seed": args.seed} if args.seed is not None else {}),
          **({"steps": args.steps} if args.steps else {}), **({"lr": args.lr} if args.lr else {}),
          "hard_weight": HARD_WEIGHT if args.hard else 1.0, "hard_ce": HARD_CE if args.hard else 0.0,
-         **({"kinds": args.kinds.split(",")} if args.kinds else {})}
+         **({"kinds": args.kinds} if args.kinds else {})}
     model, head, tok, cfg = load_float32(args.hf)
     parts, probs, vocab = text_parts(model), [], tok.get_vocab_size() - 16
     train_files, held_files = base.stdlib_files()
@@ -490,6 +490,16 @@ def cmd_measure(args) -> None:
     print(json.dumps({k: round(v, 3) for k, v in rates.items()}))
 
 
+def _kinds(text: str) -> list:
+    """`--kinds`: comma-separated task kinds, each one of demo_tasks.KINDS."""
+    from mlxmtp.models.demo_tasks import KINDS
+
+    kinds = text.split(",")
+    if not set(kinds) <= set(KINDS):
+        raise argparse.ArgumentTypeError(f"kinds are {', '.join(KINDS)}; got {text}")
+    return kinds
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -501,7 +511,7 @@ def main(argv=None) -> None:
         t.add_argument("--steps", type=int, default=None, help="(default: the phase's)")
         t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the phase's)")
         t.add_argument("--hard", type=int, default=1, help="weigh ambiguous answer positions (HARD_WEIGHT)")
-        t.add_argument("--kinds", default=None,
+        t.add_argument("--kinds", default=None, type=_kinds,
                        help="task kinds to draw, comma-separated, repeats weigh more (default: all alike)")
         t.set_defaults(phase=phase, run=cmd_train)
     m = sub.add_parser("measure")
