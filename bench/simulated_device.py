@@ -23,6 +23,7 @@ size is taken not to change them (the demo is launch-bound on a GPU).
     python bench/simulated_device.py --temps 0 --rounds 6 --noise 0.05
     python bench/simulated_device.py --suffix --workload repeat
     python bench/simulated_device.py --suffix --workload edit --depths 3 --max-tokens 200
+    python bench/simulated_device.py --suffix --workload agents --concurrency 4 --depths 3 --rounds 3
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_lm  # noqa: E402
+from batch import prompts_of  # noqa: E402
 from decode import workload_prompts  # noqa: E402
 
 from mlxmtp.engine import batch as batch_module  # noqa: E402
@@ -175,14 +177,16 @@ def main():
     ap.add_argument("--calibration-noise", type=float, default=None,
                     help="lognormal sigma of the start-up calibration's costs (default: --noise)")
     ap.add_argument("--suffix", action="store_true", help="suffix drafts beside the head, every drafting setting")
-    ap.add_argument("--workload", choices=["code", "repeat", "rename", "edit"], default="code",
-                    help="the prompts (bench/decode.py's workloads)")
+    ap.add_argument("--workload", choices=["code", "repeat", "rename", "edit", "agents"], default="code",
+                    help="the prompts: bench/decode.py's workloads, or bench/batch.py's agents (code prompts "
+                         "and edit and rename tasks in turn)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     path = str(demo_model_path())
     model, tok = load(path)
     ref = mlx_lm.load(path)[0] if args.workload == "repeat" else None
-    prompts = workload_prompts(args.workload, ref, tok, args.max_tokens, args.rounds)
+    prompts = (prompts_of(model, tok, "agents", args.max_tokens) if args.workload == "agents"
+               else workload_prompts(args.workload, ref, tok, args.max_tokens, args.rounds))
     device = DEVICES[args.device]
     settings = [0, *[int(d) for d in args.depths.split(",") if d], "adaptive"]
     for temp in [float(t) for t in args.temps.split(",")]:

@@ -45,3 +45,12 @@ def test_the_depth_policy_learns_the_devices_costs_not_this_machines(sim):
     assert [costs[k] / costs[0] for k in range(5)] == pytest.approx(want, rel=0.02)
     assert clock.decode_seconds > 0
     assert timing.time is time  # the engine's own clock again
+
+
+def test_the_agents_workload_is_bench_batch_s_code_prompts_and_tasks_in_turn(sim):
+    """`--workload agents`: bench/batch.py's prompts, a code prompt and an edit or rename task
+    on a held-out file in turn (several agents at once, on the device's costs)."""
+    _, tok = load(str(demo_model_path()))
+    prompts = sim.prompts_of(None, tok, "agents", 50)
+    assert len(prompts) == 8
+    assert all(len(p) < 40 for p in prompts[::2]) and all(len(p) > 100 for p in prompts[1::2])
