@@ -11,7 +11,8 @@ cycle of its kind costs on the device (`DEVICES`), times lognormal noise, and th
 and its policy read that clock instead of this machine's. The calibration at start-up
 returns the same costs. Throughput is decode tokens (the prefill's first token left out)
 per virtual second, so settings compare on the device's costs with the text this
-machine decodes.
+machine decodes; with several requests at once, also each request's wait for its answer
+against MTP off's (the mean, and the request worst off).
 
 A cycle of depth k costs verify(k + 1) + k * head_step plain cycles, plus one head step for
 the first drafting cycle after plain decoding (the head's catch-up); a suffix cycle of
@@ -133,36 +134,43 @@ def _count(counts: Counter, stats) -> None:
 
 
 def decode_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float, seed: int,
-                depths: Counter) -> float:
+                depths: Counter, waits: list) -> float:
     """Decode tokens per virtual second of `prompts` submitted together to `engine` (one, or a
-    batch; each request's cycles' depths added to `depths`)."""
+    batch; each request's cycles' depths added to `depths`, the virtual seconds until each one
+    finished to `waits`, in the order of `prompts`)."""
     start, tokens = clock.decode_seconds, -len(prompts)
     reqs = [Request(prompt=list(p), max_tokens=max_tokens,
                     params=SamplingParams(temperature=temp, seed=seed + i, reproducible=True))
             for i, p in enumerate(prompts)]
     for req in reqs:
         engine.submit(req)
+    index = {req.id: i for i, req in enumerate(reqs)}
+    waits.extend([0.0] * len(reqs))
     while engine.has_work:
         for ev in engine.step():
             tokens += len(ev.token_ids)
             _count(depths, ev.stats)
+            if ev.finish_reason:
+                waits[index[ev.request_id]] = clock.decode_seconds - start
     return tokens / max(clock.decode_seconds - start, 1e-12)
 
 
 def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: float, seed: int):
-    """(per-round rates, the engine's depth counts) of one setting: depth 0 (MTP off), a fixed
-    depth, or "adaptive", on one engine for all rounds (as a server keeps one)."""
+    """(per-round rates, the engine's depth counts, per-round waits of the requests) of one
+    setting: depth 0 (MTP off), a fixed depth, or "adaptive", on one engine for all rounds (as a
+    server keeps one)."""
     clock = DeviceClock(device, args.noise, seed, args.calibration_noise)
     with simulated(clock):
         engine = BatchGenerator(model, tok, EngineConfig(
             enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth, suffix_drafts=suffix))
         if depth == "adaptive":
             engine.calibrate(1)
-        rates, depths = [], Counter()
+        rates, depths, waits = [], Counter(), []
         for r in range(args.rounds):
             group = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
-            rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths))
-    return rates, dict(depths) if depth == "adaptive" else {}
+            waits.append([])
+            rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1]))
+    return rates, dict(depths) if depth == "adaptive" else {}, waits
 
 
 def main():
@@ -197,12 +205,13 @@ def main():
 
 def report(args, temp: float, settings, results) -> None:
     """Each setting's decode rate over MTP off's (median and range over rounds), and adaptive's
-    over the best fixed setting's: over the run, and per round against that round's best."""
+    over the best fixed setting's: over the run, and per round against that round's best; with
+    several requests at once, each setting's mean and longest wait for a request over MTP off's."""
     off = results[0][0]
     print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}, "
           f"noise={args.noise}, rounds={args.rounds}{', suffix' if args.suffix else ''}: decode rate over MTP off")
     for d in settings:
-        rates, depths = results[d]
+        rates, depths, _ = results[d]
         ratios = [a / b for a, b in zip(rates, off)]
         label = "MTP off" if d == 0 else f"k={d}" if d != "adaptive" else "adaptive"
         print(f"  {label:9s} {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
@@ -213,6 +222,12 @@ def report(args, temp: float, settings, results) -> None:
     total = sum(results["adaptive"][0]) / sum(results[best][0])
     print(f"  adaptive / best fixed: {total:.3f} over the run (best: {best}); per round "
           + " ".join(f"{x:.2f}" for x in per_round))
+    if args.concurrency > 1:
+        print("  each request's wait for its answer, MTP off's over the setting's (mean, the request worst off):")
+        for d in settings[1:]:
+            ratios = [o / w for os, ws in zip(results[0][2], results[d][2]) for o, w in zip(os, ws)]
+            label = f"k={d}" if d != "adaptive" else d
+            print(f"    {label:9s} mean {statistics.mean(ratios):.3f}x  worst {min(ratios):.3f}x")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ rows draft with the head; sampled rows keep the target's distribution; the stats
 drafter made what; and the plan picks the suffix only where it pays."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from engine_helpers import asked_again, loaded, prompt_of, reference_greedy
@@ -17,6 +18,7 @@ from test_sampling_exact import (  # noqa: F401  (pytest fixtures, used by name)
     tiny_vocab_model,
 )
 
+from mlxmtp.engine import timing
 from mlxmtp.engine.batch import BatchGenerator
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
@@ -139,9 +141,11 @@ def _draft(n, p):
 
 def test_the_plan_takes_the_suffix_only_where_it_pays():
     rows, cal = [_Row(1), _Row(2)], hybrid_plan.Calibration()
-    # A sure 16-token draft for row 1: the cycle goes to 16, row 2 keeps the head's drafts.
-    plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32)
-    assert plan.depth == 16 and plan.head_depth == 3 and plan.suffix_rows(rows) == [True, False]
+    # A sure 16-token draft for each row: the cycle goes to 16, and the head does not run.
+    plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99)] * 2, _Policy(), cal, 32)
+    assert plan.depth == 16 and plan.head_depth == 0 and plan.suffix_rows(rows) == [True, True]
+    # One row alone with such a draft: 16 as well.
+    assert hybrid_plan.choose(3, rows[:1], [_draft(16, 0.99)], _Policy(), cal, 32).depth == 16
     # A match of a few tokens (they recur anywhere) is no evidence, however sure its draft.
     plan = hybrid_plan.choose(3, rows, [Draft([7] * 16, [0.99] * 16, 3), Draft([], [], 0)], _Policy(), cal, 32)
     assert plan == hybrid_plan.head_only(3)
@@ -162,12 +166,30 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     assert cal.factor(fresh) < 0.3
     # ... but not a row whose last suffix draft was kept whole: it is calibrated apart.
     assert cal.factor((GREEDY, True)) == 1.0
-    plan = hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32, streaks={1: True})
+    short_match = _draft(16, 0.99)._replace(match_len=4)
+    plan = hybrid_plan.choose(3, rows[:1], [short_match], _Policy(), cal, 32, streaks={1: True})
     assert plan.depth == 16 and plan.calibration_keys[1] == (GREEDY, True)
-    assert hybrid_plan.choose(3, rows, [_draft(16, 0.99), Draft([], [], 0)], _Policy(), cal, 32).depth < 16
+    assert hybrid_plan.choose(3, rows[:1], [short_match], _Policy(), cal, 32).depth < 16
     for _ in range(200):
         cal.fade()
     assert cal.factor(fresh) > 0.9
+
+
+def test_a_row_that_copies_does_not_stall_the_rows_beside_it():
+    """Two agents at once, one copying a file (a sure 16-token draft), one writing new code,
+    the policy decoding plainly. A verify of 16 tokens costs 2.6 plain cycles here: by the
+    batch's total it pays, while the other row would make one token per 2.6 cycles, less than
+    half its own rate (`FAIR_SHARE`). So that row drafts with the head as deep as the head goes
+    (its catch-up priced), where its drafts are kept; with a head that keeps next to nothing,
+    the copy goes only as deep as leaves that row half its rate; and where each verified token
+    costs a plain cycle (a CPU), the copy does not pay at all."""
+    rows, cal, none = [_Row(1), _Row(2)], hybrid_plan.Calibration(), Draft([], [], 0)
+    copying = _draft(16, 0.99)
+    plan = hybrid_plan.choose(0, rows, [copying, none], _Policy(a=0.8), cal, 32)
+    assert (plan.depth, plan.head_depth, plan.suffix_rows(rows)) == (16, 4, [True, False])
+    plan = hybrid_plan.choose(0, rows, [copying, none], _Policy(a=0.05), cal, 32)
+    assert (plan.depth, plan.head_depth, plan.suffix_rows(rows)) == (8, 0, [True, False])
+    assert hybrid_plan.choose(0, rows, [copying, none], _Policy(slope=1.0), cal, 32) == hybrid_plan.head_only(0)
 
 
 def test_rows_whose_drafts_go_untaken_are_looked_up_less_often():
@@ -368,6 +390,23 @@ def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
         assert reach.get(1) == want
     reach.forget_absent(set())
     assert reach.get(1) == 8 and reach.whole == {}
+
+
+def test_the_rows_on_the_head_in_a_suffix_cycle_teach_its_acceptance():
+    """Several agents at once, some copying: most cycles carry a suffix draft, and the rows
+    beside the copying ones draft with the head in them. Those rows teach the policy the
+    head's acceptance at their depth (their drafts past it are padding, however many of
+    them the verify kept); the suffix rows teach nothing of it."""
+    policy, rows = DepthPolicy(), [_Row(i) for i in range(3)]
+    rec = SimpleNamespace(rows=rows, drafted=[("suffix", 8), ("mtp", 3), ("mtp", 3)])
+    timing._teach_head_rows(rec, policy, [8, 5, 1], None)
+    assert policy.accept.first_drafts_tried(GREEDY) == 2 and policy.accept.tried_at(GREEDY, 3) == 2
+    after_one = policy.acceptance(GREEDY, 3)
+    timing._teach_head_rows(SimpleNamespace(rows=rows, drafted=[("suffix", 8)] * 3), policy, [8, 8, 8], None)
+    assert policy.accept.tried_at(GREEDY, 3) == 2 and policy.acceptance(GREEDY, 3) == after_one
+    # One row kept all 3 of its drafts, the other its first one: each position's share.
+    prior = DepthPolicy().acceptance(GREEDY, 3)
+    assert after_one[0] > prior[0] and after_one[1] < after_one[0]
 
 
 def test_suffix_cycles_teach_the_depth_policy_their_cost_and_nothing_else():

@@ -54,3 +54,15 @@ def test_the_agents_workload_is_bench_batch_s_code_prompts_and_tasks_in_turn(sim
     prompts = sim.prompts_of(None, tok, "agents", 50)
     assert len(prompts) == 8
     assert all(len(p) < 40 for p in prompts[::2]) and all(len(p) > 100 for p in prompts[1::2])
+
+
+def test_each_requests_wait_is_kept_in_the_order_of_its_prompt(sim):
+    """Several requests at once: the bench compares each request's wait for its answer with
+    MTP off's (the request worst off by suffix drafts for others' rows shows there). Two
+    prompts decoded plainly to the same length finish in the same cycle."""
+    model, tok = load(str(demo_model_path()))
+    args = type("Args", (), dict(noise=0.0, calibration_noise=None, rounds=1, concurrency=2, max_tokens=6))()
+    prompts = [tok.encode("def main(argv):\n    "), tok.encode("class Stack:\n    def __init__(self):\n")]
+    rates, _, waits = sim.run_setting(model, tok, sim.DEVICES["h100"], 0, False, prompts, args, 0.0, 0)
+    assert len(waits) == 1 and len(waits[0]) == 2 and rates[0] > 0
+    assert waits[0][0] == pytest.approx(waits[0][1]) and waits[0][0] > 0

@@ -78,6 +78,11 @@ class SharedPolicy(Policy):
                chances: Optional[List[List[float]]] = None) -> None:
         self.inner.update(k, batch_size, seconds, kept_per_row, classes, switch_seconds, head, requests, chances)
 
+    def learn_head_rows(self, j: int, kept_per_row: List[int], classes: Sequence[Hashable],
+                        requests: Optional[Sequence[Hashable]] = None,
+                        chances: Optional[List[List[float]]] = None) -> None:
+        self.inner.learn_head_rows(j, kept_per_row, classes, requests, chances)
+
     def request_started(self, cls: Hashable, request: Hashable = None) -> None:
         self.inner.request_started(cls, request)
 

@@ -46,8 +46,9 @@ class CycleClock:
         mode = ("sync" if rec.synchronous else "async", B)
         interval = now - self.last_finish
         # The depth policy learns the head's acceptance and cycle costs. A cycle with suffix
-        # drafts (proposers/hybrid.py) teaches it its cost only: what a verify of its depth
-        # costs at this batch, which prices the next suffix drafts (hybrid_plan). It is
+        # drafts (proposers/hybrid.py) teaches it its cost: what a verify of its depth costs
+        # at this batch, which prices the next suffix drafts (hybrid_plan); and the head's
+        # acceptance from its rows that drafted with the head only (_teach_head_rows). It is
         # synchronous, timed from its launch, so its cost is known after plain decoding too
         # (where a long verify of several rows can cost far more than a line through the
         # head's depths says). The cycle after it is not timed: the head first catches up on
@@ -55,6 +56,7 @@ class CycleClock:
         suffix = any(source == "suffix" for source, _ in rec.drafted)
         if suffix:
             policy.update(rec.k, B, dt if rec.synchronous else None, kept, acceptance_classes(rows), head=False)
+            _teach_head_rows(rec, policy, kept, chances)
         else:
             policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
                           switch_seconds=interval if self.switched else None, requests=[r.req.id for r in rows],
@@ -69,3 +71,16 @@ class CycleClock:
             row.stats.overhead_seconds += dt - device - self.draft_time
             row.stats.draft_seconds += self.draft_time
         self.draft_time = 0.0
+
+
+def _teach_head_rows(rec, policy, kept: List[int], chances: Optional[List[List[float]]]) -> None:
+    """The rows of a suffix cycle that drafted with the head teach the policy its acceptance at
+    that depth (Policy.learn_head_rows); their drafts past it were padding, not the head's."""
+    head = [(b, n) for b, (source, n) in enumerate(rec.drafted) if source == "mtp" and n > 0]
+    if not head:
+        return
+    j = head[0][1]
+    rows = [b for b, _ in head]
+    classes = acceptance_classes([rec.rows[b] for b in rows])
+    policy.learn_head_rows(j, [min(kept[b], j) for b in rows], classes, [rec.rows[b].req.id for b in rows],
+                           [chances[b][:j] for b in rows] if chances is not None else None)

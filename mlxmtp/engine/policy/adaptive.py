@@ -76,20 +76,18 @@ class DepthPolicy(Policy):
         self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`_worth_learning`)
 
     def needs_costs(self, batch_size: int) -> bool:
-        """Whether the engine should calibrate cycle costs (engine/policy/calibration.py) before
-        this cycle: an adaptive policy with no cost measured at any batch size yet. Only that
-        first batch size is calibrated (the server's, one row, at start-up): a calibration holds
-        up every active row for dozens of cycles, so a batch bucket reached later learns its
-        costs from its own cycles (calibration blocks, then probes), emitting tokens all along."""
+        """Whether to calibrate cycle costs (engine/policy/calibration.py) before this cycle: no cost
+        measured at any batch size yet. Only that first one is (the server's, one row, at start-up):
+        a calibration holds up every active row for dozens of cycles, so a batch bucket reached later
+        learns its costs from its own cycles (calibration blocks, then probes), emitting tokens."""
         return (self.fixed is None and self.cfg.calibrate and self.max_depth > 0
                 and not any(c.priors or c.samples(0) >= self.cfg.min_samples for c in self.costs.values()))
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
-        """Calibrated seconds per cycle of each depth at this batch size for batches of this
-        kind, as priors (CycleCosts.seed): a start-up calibration on a busy machine can be off
-        by half, so live cycles still measure plain decoding against k = 1 in alternating
-        blocks and probe the other depths before any counts as measured; the calibration
-        orders the depths until then, and compiles their kernels on the way."""
+        """Calibrated seconds per cycle of each depth at this batch size for batches of this kind,
+        as priors (CycleCosts.seed): a start-up calibration on a busy machine can be off by half,
+        so live cycles still measure plain decoding against k = 1 in alternating blocks and probe
+        the other depths; the calibration orders the depths until then, and compiles their kernels."""
         self._costs((bucket(batch_size), kind)).seed(seconds)
 
     def acceptance(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
@@ -180,15 +178,18 @@ class DepthPolicy(Policy):
         thin = fresh and any(self.accept.evidence(cls) < self.cfg.settled for cls in set(classes))
         return probes.learning_depth(measured, bound, fresh, thin)
 
+    def learn_head_rows(self, j: int, kept_per_row: List[int], classes: Sequence[Hashable], requests=None, chances=None):
+        """Policy.learn_head_rows: the head's rows beside suffix drafts would otherwise never learn it."""
+        self.accept.record(j, kept_per_row, classes, requests, chances if self.cfg.keep_chances else None)
+
     def request_started(self, cls: Hashable, request: Hashable = None) -> None:
         """A request's first cycle: past its opening it tries `learn_drafts` first drafts of its own (`_learning`)
         where they could pay by its own optimistic estimate (requests.py), or while its class's evidence is thin."""
         self.accept.reopen(cls, self.cfg.learn_drafts, request)
 
     def _switch_table(self, key: Tuple[int, str]) -> None:
-        """A batch priced by another table (another batch bucket or kind) than the last
-        cycle: its own regime, and a probe planned against the other regime is dropped
-        (its ratios would pair cycles of two tables)."""
+        """A batch priced by another table (another batch bucket or kind) than the last cycle: its own
+        regime, and a probe planned against the other regime is dropped (its ratios would pair tables)."""
         if self._key is not None:
             self._regimes[self._key] = self.regime
         self._key, self.regime, self._plan = key, self._regimes.get(key, 0), []
@@ -254,8 +255,7 @@ class DepthPolicy(Policy):
         return alt if since >= every else None
 
     def plain_regime(self) -> bool:
-        """Whether the depth in use outside probes is plain decoding (the engine then keeps
-        the head's pending inputs bounded instead of feeding them to the head)."""
+        """Whether the depth in use outside probes is plain decoding (Policy.plain_regime)."""
         return self.regime == 0 and self.why != LEARNING
 
     def _because(self, why: str, k: int) -> int:

@@ -85,6 +85,12 @@ class Policy:
         per row each draft's chance of being kept once reached (sampling/accept.keep_chances;
         None: the drafts kept are the outcomes)."""
 
+    def learn_head_rows(self, j: int, kept_per_row: List[int], classes: Sequence[Hashable],
+                        requests: Optional[Sequence[Hashable]] = None,
+                        chances: Optional[List[List[float]]] = None) -> None:
+        """The rows of a cycle of suffix drafts (`update` with head=False) that drafted with the
+        head, at depth j: what each kept of the head's drafts, as `update` reports a head cycle's."""
+
     def request_started(self, cls: Hashable, request: Hashable = None) -> None:
         """A request (id `request`) of acceptance class `cls` has its first decode cycle next."""
 

@@ -5,10 +5,11 @@ Each cycle the depth policy chooses the head's depth k (0: plain decoding). `pla
 the suffix drafter for each row's proposal (suffix_index.Draft: its tokens, and probs[i], the
 estimated probability that the first i + 1 are all kept; a row whose proposals went untaken
 for a while is asked less often, hybrid_plan.Lookups) and picks the cycle's depth K among k
-and the proposals' lengths (hybrid_plan.choose): the depth with the most expected tokens per
-unit of cost over the batch, each row taking at that depth the source that expects more.
+and the proposals' lengths, and the head's depth j in it (hybrid_plan.choose): the pair with
+the most expected tokens per unit of cost over the batch that leaves the rows on the head at
+least half their own rate, each row taking at that depth the source that expects more.
 
-The head runs when at least one row takes its drafts, at depth min(k, K); every row's drafts
+The head runs when at least one row takes its drafts, at depth j; every row's drafts
 are padded to K by repeating its last one (verified like any draft: padding costs acceptance
 only, never the text). When no row takes the head's drafts the head does not run: the cycle's
 hidden states join the rows' pending inputs as after a plain cycle, and the head catches up
@@ -17,8 +18,8 @@ on them when it next drafts (mtp_inputs).
 A cycle with suffix rows needs every row's tokens on the host: `needs_host_tokens` then tells
 the engine to read the cycle in flight first (no pipelined drafting for that cycle); head-only
 cycles pipeline as the head alone does. A cycle with suffix drafts teaches the depth policy
-its cost only (engine/timing.py), which prices the next suffix drafts; its acceptance is not
-the head's.
+its cost (engine/timing.py), which prices the next suffix drafts, and the head's acceptance
+from the rows that drafted with the head only.
 """
 
 from __future__ import annotations

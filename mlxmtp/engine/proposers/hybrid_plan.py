@@ -6,26 +6,31 @@ E_s(K) = 1 + sum over i < K of min(1, f^(i+1) * probs[i]) from a cycle of depth 
 probs[i] is the suffix index's estimate that its first i + 1 tokens are kept and f scales
 each token's chance: by what rows of the same acceptance class have actually kept
 (`Calibration`), or, where higher, by the chance that a run of m tokens copied goes on
-(`run_chance`). A cycle of depth K with the head at depth min(k, K) yields, per unit of cost,
+(`run_chance`). A cycle of depth K whose head rows draft j yields, per unit of cost,
 
-    rate(K) = sum over rows of max(E_h(min(k, K)), E_s(K)) / c(K),
+    rate(K, j) = sum over rows of max(E_h(j), E_s(K)) / (c(K) + extra(j) * step),
 
 c(K) the relative cost of a cycle of depth K at this batch (the policy's measurements,
 plain decoding = 1, raised by its doubt about them for K other than k; a K deeper than any
 measured costs halfway between the deepest measured one and the line through those measured,
 so that a long verify that pays by a wide margin is tried rather than priced out by a steep
 line through short ones, and one that pays only if it costs no more than a short one is not;
-`DEFAULT_SLOPE` per draft where nothing is measured). The plan takes the K with the highest
-rate among k, the proposals' lengths and the powers of two below them (a doubtful long draft
-may pay cut short); a row takes the suffix where E_s(K) beats E_h(min(k, K)). The head runs
+`DEFAULT_SLOPE` per draft where nothing is measured). The head's rows draft j = min(k, K), the
+policy's choice, or as deep as the head goes within K: the verify covers K positions of every
+row anyway, and a head step costs `step` (the slope of the head's own cycle costs; `extra`:
+the steps c(K) does not already price, _head_depths). The plan takes the (K, j) with the
+highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
+long draft may pay cut short), leaving every row on the head at least `FAIR_SHARE` of its rate
+in the policy's own cycle; a row takes the suffix where E_s(K) beats E_h(j). The head runs
 only if some row takes its drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
+from ..limits import MAX_DRAFT_DEPTH
 from ..policy.base import kind_of
 from ..state import acceptance_classes
 
@@ -44,6 +49,12 @@ FIRST_REACH, MIN_REACH = 8, 4
 # ("self.", "):\n    ") recur all over code and prose and say little about what follows,
 # while text being copied matches longer with every token it copies.
 MIN_MATCH = 4
+# The least share of its own rate (its tokens per unit of cost in the cycle the policy chose) a
+# row left to the head keeps in a cycle whose depth other rows' suffix drafts set: a long
+# verify that pays by the batch's total can make the rows beside the copying ones a token per
+# several plain cycles, and an agent writing new code then waits longer for its answer than with
+# MTP off (BENCHMARKS.md, several agents on the H100's cycle costs).
+FAIR_SHARE = 0.5
 # Suffix depths on shape-stable engines: a few verify shapes instead of one per length.
 SHAPE_BUCKETS = (8, 16, 32)
 
@@ -183,12 +194,20 @@ def run_chance(match_len: int) -> float:
     return (match_len + 1) / (match_len + 2)
 
 
-def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int], k: int) -> Dict[int, float]:
-    """c(K) per depth: the head's depth k as the policy prices it (its choice already allowed for
-    the doubt), any other cautiously (`relative_costs`); DEFAULT_SLOPE where nothing is known."""
-    known = policy.relative_costs(batch_size, classes, depths) or {}
+def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int], k: int,
+           deepest: int) -> Tuple[Dict[int, float], float]:
+    """(c(K) per depth, the price of one head step): the head's depth k as the policy prices it
+    (its choice already allowed for the doubt), any other cautiously (`relative_costs`);
+    DEFAULT_SLOPE where nothing is known. A head step is priced by the slope of the head's
+    own cycles of depths 1..`deepest` (a draft more adds a step and a verified token: an upper
+    bound of the step's cost)."""
+    known = policy.relative_costs(batch_size, classes, sorted({*depths, 1, max(deepest, 1)})) or {}
     doubted = policy.relative_costs(batch_size, classes, depths, cautious=True) or {}
-    return {K: (known if K == k else doubted).get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
+    costs = {K: (known if K == k else doubted).get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
+    step = DEFAULT_SLOPE
+    if deepest > 1 and known.get(1) and known.get(deepest):
+        step = max(0.0, (known[deepest] - known[1]) / (deepest - 1))
+    return costs, step
 
 
 def _bucket(n: int, shape_stable: bool, cap: int) -> int:
@@ -213,33 +232,49 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
     if not any(p.tokens for p in proposals):
         return head_only(k)
     classes = acceptance_classes(rows)
-    e_head = _head_tokens(policy, classes, k)
+    e_head = _head_tokens(policy, classes)
     streaks = streaks or {}
     keys = [(kind_of(c), streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
     f = [max(calibration.factor(key), run_chance(p.match_len)) for key, p in zip(keys, proposals)]
     depths = _depths(k, proposals, cap, shape_stable)
-    costs = _costs(policy, len(rows), classes, depths, k)
+    costs, step = _costs(policy, len(rows), classes, depths, k, len(e_head) - 1)
     best: Optional[tuple] = None
+    own = e_head[k] / costs[k]  # a head row's tokens per unit of cost in the policy's own cycle
     for K in depths:
-        h = e_head[min(k, K)]
         per_row = [expected(p.probs, f[b], K) for b, p in enumerate(proposals)]
-        rate = sum(max(h, e) for e in per_row) / costs[K] / (1.0 if K == k else 1.0 + MARGIN)
-        if best is None or rate > best[0]:
-            best = (rate, K, [e > h for e in per_row])
-    _, K, suffix_rows = best
+        for j, extra in _head_depths(k, K, len(e_head) - 1):
+            cost = costs[K] + extra * step
+            if any(e <= e_head[j] for e in per_row) and e_head[j] / cost < FAIR_SHARE * own:
+                continue  # the rows left to the head would wait too long on the others' verify
+            rate = sum(max(e_head[j], e) for e in per_row) / cost
+            rate /= 1.0 if (K, j) == (k, k) else 1.0 + MARGIN
+            if best is None or rate > best[0]:
+                best = (rate, K, j, [e > e_head[j] for e in per_row])
+    _, K, j, suffix_rows = best
     if not any(suffix_rows):
         return head_only(k)
-    head_depth = min(k, K) if not all(suffix_rows) else 0
+    head_depth = j if not all(suffix_rows) else 0
     ids = [r.req.id for r in rows]
     probs = {i: list(p.probs[:K]) for i, p, use in zip(ids, proposals, suffix_rows) if use}
     return CyclePlan(K, head_depth, probs, {i: key for i, key in zip(ids, keys) if i in probs})
 
 
-def _head_tokens(policy, classes: List[Hashable], k: int) -> List[float]:
-    """E_h(j) for j = 0..k: the policy's estimates, else each draft kept with PRIOR_ACCEPT."""
-    e = policy.expected_tokens(classes=classes) if k else None
-    if e is not None and len(e) > k:
-        return list(e[: k + 1])
-    return [1.0 + sum(PRIOR_ACCEPT ** i for i in range(1, j + 1)) for j in range(k + 1)]
+def _head_depths(k: int, K: int, deepest: int) -> List[tuple]:
+    """(head depth j, head steps beyond what c(K) prices) for a cycle of depth K: the policy's
+    min(k, K), and the head's deepest depth the verify covers. A cycle of depth K <= `deepest`
+    is priced as the head's own cycle of depth K, its K head steps included; past that, each
+    step beyond min(k, K) is extra; and where the head would not have run (k = 0), one more:
+    it first catches up on the inputs plain decoding left it."""
+    base, top = min(k, K), min(K, deepest)
+    if top <= base:
+        return [(base, 0)]
+    return [(base, 0), (top, (top - base if K > deepest else 0) + (base == 0))]
 
 
+def _head_tokens(policy, classes: List[Hashable]) -> List[float]:
+    """E_h(j) for j = 0..the head's deepest depth: the policy's estimates, else each draft
+    kept with PRIOR_ACCEPT up to limits.MAX_DRAFT_DEPTH."""
+    e = policy.expected_tokens(classes=classes)
+    if e:
+        return list(e)
+    return [1.0 + sum(PRIOR_ACCEPT ** i for i in range(1, j + 1)) for j in range(MAX_DRAFT_DEPTH + 1)]
