@@ -206,7 +206,8 @@ def main():
 def report(args, temp: float, settings, results) -> None:
     """Each setting's decode rate over MTP off's (median and range over rounds), and adaptive's
     over the best fixed setting's: over the run, and per round against that round's best; with
-    several requests at once, each setting's mean and longest wait for a request over MTP off's."""
+    several requests at once, MTP off's wait for each request over the setting's: the mean, and
+    the request worst off."""
     off = results[0][0]
     print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}, "
           f"noise={args.noise}, rounds={args.rounds}{', suffix' if args.suffix else ''}: decode rate over MTP off")

@@ -29,6 +29,7 @@ from mlxmtp.engine.proposers.base import SUFFIX
 from mlxmtp.engine.proposers.hybrid import HybridProposer
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
+from mlxmtp.engine.state import acceptance_classes
 from mlxmtp.engine.suffix_index import Draft
 from mlxmtp.models.demo import demo_model_path
 
@@ -398,11 +399,12 @@ def test_the_rows_on_the_head_in_a_suffix_cycle_teach_its_acceptance():
     head's acceptance at their depth (their drafts past it are padding, however many of
     them the verify kept); the suffix rows teach nothing of it."""
     policy, rows = DepthPolicy(), [_Row(i) for i in range(3)]
+    classes = acceptance_classes(rows)
     rec = SimpleNamespace(rows=rows, drafted=[("suffix", 8), ("mtp", 3), ("mtp", 3)])
-    timing._teach_head_rows(rec, policy, [8, 5, 1], None)
+    timing._teach_head_rows(rec, policy, classes, [8, 5, 1], None)
     assert policy.accept.first_drafts_tried(GREEDY) == 2 and policy.accept.tried_at(GREEDY, 3) == 2
     after_one = policy.acceptance(GREEDY, 3)
-    timing._teach_head_rows(SimpleNamespace(rows=rows, drafted=[("suffix", 8)] * 3), policy, [8, 8, 8], None)
+    timing._teach_head_rows(SimpleNamespace(rows=rows, drafted=[("suffix", 8)] * 3), policy, classes, [8, 8, 8], None)
     assert policy.accept.tried_at(GREEDY, 3) == 2 and policy.acceptance(GREEDY, 3) == after_one
     # One row kept all 3 of its drafts, the other its first one: each position's share.
     prior = DepthPolicy().acceptance(GREEDY, 3)

@@ -48,17 +48,18 @@ class CycleClock:
         # The depth policy learns the head's acceptance and cycle costs. A cycle with suffix
         # drafts (proposers/hybrid.py) teaches it its cost: what a verify of its depth costs
         # at this batch, which prices the next suffix drafts (hybrid_plan); and the head's
-        # acceptance from its rows that drafted with the head only (_teach_head_rows). It is
+        # acceptance, only from its rows that drafted with the head (_teach_head_rows). It is
         # synchronous, timed from its launch, so its cost is known after plain decoding too
         # (where a long verify of several rows can cost far more than a line through the
         # head's depths says). The cycle after it is not timed: the head first catches up on
         # the inputs the suffix cycle left it, about the same work at every depth.
         suffix = any(source == "suffix" for source, _ in rec.drafted)
+        classes = acceptance_classes(rows)
         if suffix:
-            policy.update(rec.k, B, dt if rec.synchronous else None, kept, acceptance_classes(rows), head=False)
-            _teach_head_rows(rec, policy, kept, chances)
+            policy.update(rec.k, B, dt if rec.synchronous else None, kept, classes, head=False)
+            _teach_head_rows(rec, policy, classes, kept, chances)
         else:
-            policy.update(rec.k, B, interval if self.mode == mode else None, kept, acceptance_classes(rows),
+            policy.update(rec.k, B, interval if self.mode == mode else None, kept, classes,
                           switch_seconds=interval if self.switched else None, requests=[r.req.id for r in rows],
                           chances=chances)
         self.switched = False
@@ -73,14 +74,13 @@ class CycleClock:
         self.draft_time = 0.0
 
 
-def _teach_head_rows(rec, policy, kept: List[int], chances: Optional[List[List[float]]]) -> None:
-    """The rows of a suffix cycle that drafted with the head teach the policy its acceptance at
-    that depth (Policy.learn_head_rows); their drafts past it were padding, not the head's."""
-    head = [(b, n) for b, (source, n) in enumerate(rec.drafted) if source == "mtp" and n > 0]
-    if not head:
+def _teach_head_rows(rec, policy, classes: List, kept: List[int], chances: Optional[List[List[float]]]) -> None:
+    """The rows of a suffix cycle that drafted with the head (`classes`: every row's acceptance
+    class) teach the policy its acceptance at that depth (Policy.learn_head_rows); their drafts
+    past it were padding, not the head's."""
+    rows = [b for b, (source, n) in enumerate(rec.drafted) if source == "mtp" and n > 0]
+    if not rows:
         return
-    j = head[0][1]
-    rows = [b for b, _ in head]
-    classes = acceptance_classes([rec.rows[b] for b in rows])
-    policy.learn_head_rows(j, [min(kept[b], j) for b in rows], classes, [rec.rows[b].req.id for b in rows],
-                           [chances[b][:j] for b in rows] if chances is not None else None)
+    j = rec.drafted[rows[0]][1]
+    policy.learn_head_rows(j, [min(kept[b], j) for b in rows], [classes[b] for b in rows],
+                           [rec.rows[b].req.id for b in rows], [chances[b][:j] for b in rows] if chances is not None else None)

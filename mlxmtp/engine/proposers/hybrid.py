@@ -18,8 +18,8 @@ on them when it next drafts (mtp_inputs).
 A cycle with suffix rows needs every row's tokens on the host: `needs_host_tokens` then tells
 the engine to read the cycle in flight first (no pipelined drafting for that cycle); head-only
 cycles pipeline as the head alone does. A cycle with suffix drafts teaches the depth policy
-its cost (engine/timing.py), which prices the next suffix drafts, and the head's acceptance
-from the rows that drafted with the head only.
+its cost (engine/timing.py), which prices the next suffix drafts, and the head's acceptance,
+only from the rows that drafted with the head.
 """
 
 from __future__ import annotations
