@@ -66,3 +66,25 @@ def test_each_requests_wait_is_kept_in_the_order_of_its_prompt(sim):
     rates, _, waits = sim.run_setting(model, tok, sim.DEVICES["h100"], 0, False, prompts, args, 0.0, 0)
     assert len(waits) == 1 and len(waits[0]) == 2 and rates[0] > 0
     assert waits[0][0] == pytest.approx(waits[0][1]) and waits[0][0] > 0
+
+
+def test_adaptive_is_judged_over_several_seeds(sim, capsys):
+    """A run's standing moves with the noise's draws (the policy's choices follow them):
+    `--seed 0,1,2` reports each run, then adaptive's mean and lowest over the best fixed
+    setting and the request worst off in any of them."""
+    args = type("Args", (), dict(device="h100", workload="agents", concurrency=2, noise=0.1, rounds=2,
+                                 suffix=True))()
+
+    def results(rates, waits):  # MTP off, k = 3 twice its rate, and adaptive (rates, depths, waits)
+        return {0: ([1.0, 1.0], {}, [[2.0, 2.0], [2.0, 2.0]]), 3: ([2.0, 2.0], {}, [[1.0, 1.0], [1.0, 1.0]]),
+                "adaptive": (rates, {"k=3": 5}, waits)}
+
+    a = sim.report(args, 0.0, 0, [0, 3, "adaptive"], results([2.2, 1.8], [[1.0, 4.0], [1.0, 1.0]]))
+    b = sim.report(args, 0.0, 1, [0, 3, "adaptive"], results([1.6, 1.6], [[2.0, 1.0], [1.0, 1.0]]))
+    assert a["of_best"] == pytest.approx(1.0) and b["of_best"] == pytest.approx(0.8)
+    assert a["worst_wait"] == pytest.approx(0.5)  # MTP off's 2.0 over adaptive's 4.0
+    assert b["mean_wait"] == pytest.approx(1.75)
+    sim.over_seeds(0.0, [0, 1], [a, b])
+    out = capsys.readouterr().out
+    assert "seed=1" in out and "adaptive / best fixed mean 0.900, lowest 0.800" in out
+    assert "mean 1.688x, worst 0.500x" in out
