@@ -239,7 +239,8 @@ def report(args, temp: float, seed: int, settings, results) -> dict:
             ratios = [o / w for os, ws in zip(results[0][2], results[d][2]) for o, w in zip(os, ws)]
             label = f"k={d}" if d != "adaptive" else d
             print(f"    {label:9s} mean {statistics.mean(ratios):.3f}x  worst {min(ratios):.3f}x")
-        standing.update(mean_wait=statistics.mean(ratios), worst_wait=min(ratios))
+            if d == "adaptive":
+                standing.update(mean_wait=statistics.mean(ratios), worst_wait=min(ratios))
     return standing
 
 
