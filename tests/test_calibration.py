@@ -22,9 +22,11 @@ from mlxmtp.models.load import load
 def test_measured_costs_cover_every_depth(fixture_model, batch_size, pipelined):
     model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
     BatchGenerator(model, tok)  # prepares the model (Gated DeltaNet capture)
+    runs = []
     costs = calibration.measure_cycle_costs(model_pieces(model, True), batch_size, 4, shape_stable=True,
-                                            pipelined=pipelined)
+                                            pipelined=pipelined, progress=lambda: runs.append(1))
     assert sorted(costs) == ["greedy", "sampled"]
+    assert len(runs) == 2 * 5 * (calibration.REPS + 1)  # each kind's run of each depth, every round
     for seconds in costs.values():
         assert sorted(seconds) == [0, 1, 2, 3, 4]
         assert all(c > 0 for c in seconds.values())

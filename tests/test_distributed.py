@@ -9,6 +9,7 @@ folders)."""
 
 import json
 import shutil
+import time
 
 import pytest
 from dist_helpers import BIN, WORKER, last_json, mlx_launch, run_worker
@@ -19,6 +20,7 @@ from mlxmtp.checkpoint.split_plan import layer_split, make_plan
 from mlxmtp.distributed.channel import Channel
 from mlxmtp.distributed.group import check_same_setup, folder_fingerprint
 from mlxmtp.distributed.shared_policy import SharedPolicy
+from mlxmtp.distributed.watchdog import Watchdog
 from mlxmtp.distributed.wire import request_from_wire, request_to_wire, with_seed
 from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.policy.base import Policy
@@ -126,6 +128,41 @@ def test_channel_and_shared_policy_on_a_group_of_one():
     shared = SharedPolicy(Estimating(), channel)
     assert shared.expected_tokens() == pytest.approx([1.0, 1.75, 2.25, 2.5, 2.6])
     assert shared.relative_costs(1, None, [2, 8], cautious=True) == {2: pytest.approx(1.6)}
+
+
+def test_the_watchdog_counts_silence_not_the_length_of_a_block():
+    stalls = []
+    dog = Watchdog(0.5, stalls.append)
+    with dog.watch("a long block"):
+        for _ in range(15):  # 0.75 s in all, alive every 0.05 s
+            time.sleep(0.05)
+            dog.alive()
+    assert not stalls
+    with dog.watch("a stalled block"):
+        time.sleep(1.0)
+    assert stalls == ["no answer from the other ranks for 0.5s during a stalled block (a rank died or stalled)"]
+
+
+def test_a_calibration_longer_than_the_timeout_is_not_taken_for_a_stall(fixture_model):
+    """The start-up calibration runs ~200 forwards (on a big model split across machines, tens
+    of seconds; the first of each shape compiles), where `--dist-timeout` bounds one step: it is
+    watched by its progress, each timed run, not by its whole length."""
+    from mlxmtp.distributed.engine import DistributedEngine
+    from mlxmtp.engine.pieces import model_pieces
+    from mlxmtp.engine.policy import calibration
+    from mlxmtp.models.load import load
+
+    model, tok = load(str(fixture_model("qwen3_5")["hf"]))
+    fatal = []
+    engine = DistributedEngine(model, tok, group=_group_of_one(), dist_timeout=60, on_fatal=fatal.append)
+    t = time.monotonic()  # the same calibration, its shapes compiled: how long it takes here
+    calibration.measure_cycle_costs(model_pieces(model, True), 1, 4, shape_stable=False)
+    timeout = (time.monotonic() - t) / 3  # a run is one of 60: each well inside it
+    engine.watchdog.timeout = timeout
+    t = time.monotonic()
+    assert engine.calibrate(1) and not fatal
+    assert time.monotonic() - t > 2 * timeout
+    assert not engine.engine.policy.needs_costs(1)  # the costs are in
 
 
 def test_start_up_check_compares_folders_and_settings(tmp_path):

@@ -16,7 +16,8 @@ order. What could make them differ is shared from rank 0 instead:
 Each rank then verifies, accepts and rolls back its own layers from the same logits, so
 a cycle costs one verify pass across the ranks plus one small control collective (the
 depth; a step's message is skipped when rank 0 had nothing new to share). A
-step that raises or stalls past `dist_timeout` is fatal: `on_fatal` ends the run
+step that raises or stalls past `dist_timeout` (the calibration: with no progress for as
+long) is fatal: `on_fatal` ends the run
 (the server fails the requests in flight first); no rank rebuilds alone.
 """
 
@@ -142,7 +143,7 @@ class DistributedEngine:
         is already at the same call (the engine's own)."""
         if self.leader:
             return self._run("calibration", lambda: self._send({"calibrate": batch_size}))
-        return self.engine.calibrate(batch_size)
+        return self.engine.calibrate(batch_size, self.watchdog.alive)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks the run is over (they return from `follow`)."""
@@ -192,7 +193,7 @@ class DistributedEngine:
             self.closed = True
             return None
         if "calibrate" in message:
-            return self.engine.calibrate(message["calibrate"])
+            return self.engine.calibrate(message["calibrate"], self.watchdog.alive)
         for req in own if own is not None else map(request_from_wire, message["new"]):
             self.engine.inbox.put(req)
         for rid in message["cancel"]:

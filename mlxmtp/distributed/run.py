@@ -24,6 +24,7 @@ def generate_on_ranks(group, plan: Plan, model, tok, ids, *, dist_timeout: float
         engine.follow()
         return None
     try:
+        engine.calibrate(1)  # every rank, watched by its progress (the first step's would not be)
         res = generate(model, tok, ids, engine=engine, **generate_options)
     finally:
         engine.close()

@@ -1,7 +1,8 @@
 """A rank that dies or stalls must not hang the others: every collective step runs under
-a watchdog, and one that takes longer than the timeout (`--dist-timeout`) calls the
-engine's fatal handler from the watchdog thread (the engine thread is then stuck inside a
-collective and cannot act itself). A peer that exits is usually noticed sooner: MLX's
+a watchdog, and one silent for longer than the timeout (`--dist-timeout`: no end, and no
+`alive()` from a long block such as the start-up calibration) calls the engine's fatal
+handler from the watchdog thread (the engine thread is then stuck inside a collective and
+cannot act itself). A peer that exits is usually noticed sooner: MLX's
 ring backend raises "connection to a peer was lost" in the collective."""
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Watchdog:
             yield
         finally:
             self._since = None
+
+    def alive(self) -> None:
+        """The watched block made progress (one of many forwards it runs, as in the start-up
+        calibration): its silence counts from now."""
+        if self._since is not None:
+            self._since = time.monotonic()
 
     def _run(self) -> None:
         while True:

@@ -172,13 +172,13 @@ class BatchGenerator:
         memory.after_drop(self.memory, self.rows, self.waiting)
 
     # ---------------------------------------------------------------- decode
-    def calibrate(self, batch_size: int = 1) -> bool:
-        """Measure cycle costs at `batch_size` rows now, if the depth policy has none yet
-        (engine/policy/calibration.py) -> whether it ran. The server does it for one row at start-up;
-        later batch sizes learn their costs from their own cycles (DepthPolicy.needs_costs)."""
+    def calibrate(self, batch_size: int = 1, progress=None) -> bool:
+        """Measure cycle costs at `batch_size` rows now if the policy has none yet (policy/calibration.py,
+        `progress` as it takes it) -> whether it ran; later batch sizes learn from their own cycles."""
         if self.pieces.head is None or not self.policy.needs_costs(batch_size):
             return False
-        calibration.seed_policy(self.policy, self.pieces, batch_size, self.shape_stable, self.pipeline_drafts)
+        calibration.seed_policy(self.policy, self.pieces, batch_size, self.shape_stable, self.pipeline_drafts,
+                                progress)
         self.clock.untimed()
         return True
 

@@ -5,7 +5,7 @@ member, so their callers need no probing (tests/test_engine_interface.py checks 
 
 from __future__ import annotations
 
-from typing import Callable, List, Protocol, Set
+from typing import Callable, List, Optional, Protocol, Set
 
 from .memory import MemoryGuard
 from .prefix.cache import PrefixCache
@@ -36,7 +36,8 @@ class Engine(Protocol):
 
     def step(self) -> List[Event]: ...
 
-    def calibrate(self, batch_size: int = 1) -> bool: ...  # the depth policy's cycle costs, if it has none yet
+    # The depth policy's cycle costs, if it has none yet; `progress()` after each timed run.
+    def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None) -> bool: ...
 
     def unstarted_request_ids(self) -> Set[int]: ...  # after a failed step: what may be resubmitted untouched
 

@@ -40,19 +40,23 @@ CONTEXT = 64  # scratch tokens in the caches before timing (position barely matt
 REPS = 5  # timed rounds over every depth, after one untimed round
 
 
-def seed_policy(policy, pieces: ModelPieces, batch_size: int, shape_stable: bool, pipelined: bool) -> None:
+def seed_policy(policy, pieces: ModelPieces, batch_size: int, shape_stable: bool, pipelined: bool,
+                progress: Optional[Callable[[], None]] = None) -> None:
     """Measure cycle costs at `batch_size` rows, greedy and sampled, and seed the depth
-    policy (policy.Policy.seed_costs) with them."""
-    costs = measure_cycle_costs(pieces, batch_size, policy.max_depth, shape_stable, pipelined)
+    policy (policy.Policy.seed_costs) with them; `progress` as measure_cycle_costs takes it."""
+    costs = measure_cycle_costs(pieces, batch_size, policy.max_depth, shape_stable, pipelined, progress=progress)
     for kind, seconds in costs.items():
         policy.seed_costs(batch_size, seconds, kind)
 
 
 def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, shape_stable: bool,
-                        pipelined: bool = False, kinds=(GREEDY, SAMPLED)) -> Dict[str, Dict[int, float]]:
+                        pipelined: bool = False, kinds=(GREEDY, SAMPLED),
+                        progress: Optional[Callable[[], None]] = None) -> Dict[str, Dict[int, float]]:
     """Seconds per decode cycle of depth k = 0..max_depth at `batch_size` rows, per batch
     kind (policy.cost_kind); `pipelined`: drafting cycles are pipelined (see the module
-    docstring)."""
+    docstring). `progress` is called after each timed run: a distributed run's watchdog
+    counts its silence from there, since the whole calibration (hundreds of forwards, the
+    first of each shape compiling) can outlast the time one step may take."""
     cache = adapter.make_cache(pieces.parts, batch_size)
     head_cache = adapter.make_head_cache(pieces.head, batch_size)
     _, hidden = adapter.forward(pieces.parts, mx.zeros((batch_size, CONTEXT), mx.int32), cache,
@@ -70,7 +74,7 @@ def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, sh
         runs[kind, 0] = lambda rows=rows: _plain_steps(pieces, cache, rows, 4) / 4
         for k in range(1, max_depth + 1):
             runs[kind, k] = lambda depth=k, rows=rows: _drafting_cycles(pieces, cache, head_cache, g, rows, depth, n) / n
-    seconds = _interleaved(runs)
+    seconds = _interleaved(runs, progress or (lambda: None))
     return {kind: {k: seconds[kind, k] for k in range(max_depth + 1)} for kind in kinds}
 
 
@@ -92,15 +96,21 @@ class _Rows:
         return kept, tokens
 
 
-def _interleaved(runs: Dict[Hashable, Callable[[], float]]) -> Dict[Hashable, float]:
+def _interleaved(runs: Dict[Hashable, Callable[[], float]],
+                 progress: Callable[[], None]) -> Dict[Hashable, float]:
     """Seconds per cycle of each run: every run once per round (after an untimed round
     that compiles and waits out work already queued), each round's times taken relative to
     its first run's (plain greedy decoding), the median of those ratios times that run's
     median. Ratios of neighbours, as the policy keeps them: a machine whose speed drifts
     between seconds shifts a round as a whole."""
+    def timed(run):
+        seconds = run()
+        progress()
+        return seconds
+
     for run in runs.values():
-        run()
-    rounds = [{key: run() for key, run in runs.items()} for _ in range(REPS)]
+        timed(run)
+    rounds = [{key: timed(run) for key, run in runs.items()} for _ in range(REPS)]
     base = next(iter(runs))
     plain = statistics.median(r[base] for r in rounds)
     return {key: plain * statistics.median(r[key] / r[base] for r in rounds) for key in runs}
