@@ -1,6 +1,8 @@
 """bench/simulated_device.py: the engine and its depth policy read the simulated device's
 clock, not this machine's, and the clock is theirs again afterwards."""
 
+import math
+import statistics
 import time
 
 import pytest
@@ -26,6 +28,17 @@ def test_a_cycle_costs_its_verify_and_the_heads_steps(sim):
     assert clock.cycle(3, 3, False) / plain == pytest.approx(1.82 + 3 * 0.375)
     assert clock.cycle(3, 3, True) / plain == pytest.approx(1.82 + 4 * 0.375)  # the head catches up
     assert clock.cycle(16, 0, False) / plain == pytest.approx(2.02 + 0.15 * 12)  # a suffix cycle, no head
+
+
+def test_the_calibration_is_as_noisy_as_the_engines_not_one_cycle(sim):
+    """The engine's calibration takes medians over its rounds (engine/policy/calibration.py): the
+    simulated one too, so its priors are no noisier than a device's would be."""
+    clock = sim.DeviceClock(sim.DEVICES["h100"], noise=0.1, seed=0)
+    true = math.log(sim.DeviceClock(sim.DEVICES["h100"], noise=0.0, seed=0).cycle(3, 3, False) / clock.cycle(0, 0, False, 0.0))
+    calibrated = [clock.calibration(None, 1, 4, False, kinds=("greedy",))["greedy"] for _ in range(200)]
+    single = [math.log(clock.cycle(3, 3, False) / clock.cycle(0, 0, False)) - true for _ in range(200)]
+    error = statistics.median(abs(math.log(c[3] / c[0]) - true) for c in calibrated)
+    assert error < 0.6 * statistics.median(map(abs, single))
 
 
 def test_the_depth_policy_learns_the_devices_costs_not_this_machines(sim):
