@@ -9,10 +9,11 @@ drafts and acceptance, the start-up calibration, each request's learning, probes
 cycles), and only the clock is simulated: every cycle advances a virtual clock by what a
 cycle of its kind costs on the device (`DEVICES`), times lognormal noise, and the engine
 and its policy read that clock instead of this machine's. The calibration at start-up
-draws the same costs, in its own rounds, and takes its medians as the engine's does. Throughput is decode tokens (the prefill's first token left out)
-per virtual second, so settings compare on the device's costs with the text this
-machine decodes; with several requests at once, also each request's wait for its answer
-against MTP off's (the mean, and the request worst off).
+draws the same costs, in rounds, and takes their medians as the engine's does. Throughput
+is decode tokens (the prefill's first token left out) per virtual second, so settings
+compare on the device's costs with the text this machine decodes; with several requests
+at once, also each request's wait for its answer against MTP off's (the mean, and the
+request worst off).
 
 A cycle of depth k costs verify(k + 1) + k * head_step plain cycles, plus one head step for
 the first drafting cycle after plain decoding (the head's catch-up); a suffix cycle of

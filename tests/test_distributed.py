@@ -148,15 +148,15 @@ def test_a_calibration_longer_than_the_timeout_is_not_taken_for_a_stall(fixture_
     of seconds; the first of each shape compiles), where `--dist-timeout` bounds one step: it is
     watched by its progress, each timed run, not by its whole length."""
     from mlxmtp.distributed.engine import DistributedEngine
-    from mlxmtp.engine.pieces import model_pieces
     from mlxmtp.engine.policy import calibration
     from mlxmtp.models.load import load
 
     model, tok = load(str(fixture_model("qwen3_5")["hf"]))
     fatal = []
     engine = DistributedEngine(model, tok, group=_group_of_one(), dist_timeout=60, on_fatal=fatal.append)
+    own = engine.engine
     t = time.monotonic()  # the same calibration, its shapes compiled: how long it takes here
-    calibration.measure_cycle_costs(model_pieces(model, True), 1, 4, shape_stable=False)
+    calibration.measure_cycle_costs(own.pieces, 1, own.policy.max_depth, own.shape_stable, own.pipeline_drafts)
     timeout = (time.monotonic() - t) / 3  # a run is one of 60: each well inside it
     engine.watchdog.timeout = timeout
     t = time.monotonic()
