@@ -159,9 +159,10 @@ def test_a_calibration_longer_than_the_timeout_is_not_taken_for_a_stall(fixture_
     calibration.measure_cycle_costs(own.pieces, 1, own.policy.max_depth, own.shape_stable, own.pipeline_drafts)
     timeout = (time.monotonic() - t) / 3  # a run is one of 60: each well inside it
     engine.watchdog.timeout = timeout
-    t = time.monotonic()
-    assert engine.calibrate(1) and not fatal
+    t, runs = time.monotonic(), []
+    assert engine.calibrate(1, progress=lambda: runs.append(1)) and not fatal
     assert time.monotonic() - t > 2 * timeout
+    assert len(runs) == 2 * (own.policy.max_depth + 1) * (calibration.REPS + 1)  # the caller's progress too
     assert not engine.engine.policy.needs_costs(1)  # the costs are in
 
 

@@ -138,12 +138,13 @@ class DistributedEngine:
             self._arrived.wait(HEARTBEAT)
         return self._run("a step", self._turn) or []
 
-    def calibrate(self, batch_size: int = 1) -> bool:
+    def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None) -> bool:
         """Rank 0 (the server at start-up) has every rank calibrate; inside a step every rank
-        is already at the same call (the engine's own)."""
+        is already at the same call (the engine's own). `progress`: this rank's, beside the
+        watchdog's."""
         if self.leader:
-            return self._run("calibration", lambda: self._send({"calibrate": batch_size}))
-        return self.engine.calibrate(batch_size, self.watchdog.alive)
+            return self._run("calibration", lambda: self._send({"calibrate": batch_size}, progress))
+        return self.engine.calibrate(batch_size, self._alive(progress))
 
     def close(self) -> None:
         """Rank 0: tell the other ranks the run is over (they return from `follow`)."""
@@ -172,12 +173,12 @@ class DistributedEngine:
         self.coordinator.heard()
         return self._carry_out({"new": [], "cancel": []}, [])
 
-    def _send(self, message: dict):
+    def _send(self, message: dict, progress: Optional[Callable[[], None]] = None):
         """Rank 0: a message outside the steps, once the other ranks are at a message
         (a quiet step they are about to take is taken first)."""
         if self.coordinator.quiet:
             self._quiet_step()
-        return self._carry_out(self._share(message))
+        return self._carry_out(self._share(message), progress=progress)
 
     def _share(self, message: Optional[dict]) -> dict:
         """Rank 0's message on every rank, with rank 0's digest checked against this rank's."""
@@ -187,19 +188,29 @@ class DistributedEngine:
         self.coordinator.check_digest(message["digest"])
         return message
 
-    def _carry_out(self, message: dict, own: Optional[List[Request]] = None):
-        """`own`: rank 0's requests themselves, which the message carries as wire dicts."""
+    def _carry_out(self, message: dict, own: Optional[List[Request]] = None,
+                   progress: Optional[Callable[[], None]] = None):
+        """`own`: rank 0's requests themselves, which the message carries as wire dicts;
+        `progress`: a calibration's, beside the watchdog's."""
         if "stop" in message:
             self.closed = True
             return None
         if "calibrate" in message:
-            return self.engine.calibrate(message["calibrate"], self.watchdog.alive)
+            return self.engine.calibrate(message["calibrate"], self._alive(progress))
         for req in own if own is not None else map(request_from_wire, message["new"]):
             self.engine.inbox.put(req)
         for rid in message["cancel"]:
             self.engine.inbox.cancel(rid)
         events = self.engine.step()
         return events if self.leader else None
+
+    def _alive(self, progress: Optional[Callable[[], None]]) -> Callable[[], None]:
+        """The calibration's progress call: the watchdog hears of it, and `progress` too."""
+        def alive():
+            self.watchdog.alive()
+            if progress is not None:
+                progress()
+        return alive
 
     def _run(self, what: str, fn):
         with self.watchdog.watch(what):
