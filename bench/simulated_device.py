@@ -111,7 +111,7 @@ class DeviceClock:
             return lambda: sum(self.cycle(k, k, False, self.calibration_noise) for _ in range(cycles)) / cycles
 
         runs = {(kind, k): run(k, n if k else 4) for kind in kinds for k in range(max_depth + 1)}
-        seconds = calibration._interleaved(runs, progress or (lambda: None))
+        seconds = calibration._interleaved(runs, progress)
         return {kind: {k: seconds[kind, k] for k in range(max_depth + 1)} for kind in kinds}
 
 

@@ -34,7 +34,7 @@ def test_the_calibration_is_as_noisy_as_the_engines_not_one_cycle(sim):
     """The engine's calibration takes medians over its rounds (engine/policy/calibration.py): the
     simulated one too, so its priors are no noisier than a device's would be."""
     clock = sim.DeviceClock(sim.DEVICES["h100"], noise=0.1, seed=0)
-    true = math.log(sim.DeviceClock(sim.DEVICES["h100"], noise=0.0, seed=0).cycle(3, 3, False) / clock.cycle(0, 0, False, 0.0))
+    true = math.log(clock.cycle(3, 3, False, 0.0) / clock.cycle(0, 0, False, 0.0))
     calibrated = [clock.calibration(None, 1, 4, False, kinds=("greedy",))["greedy"] for _ in range(200)]
     single = [math.log(clock.cycle(3, 3, False) / clock.cycle(0, 0, False)) - true for _ in range(200)]
     error = statistics.median(abs(math.log(c[3] / c[0]) - true) for c in calibrated)

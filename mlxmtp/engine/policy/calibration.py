@@ -74,7 +74,7 @@ def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, sh
         runs[kind, 0] = lambda rows=rows: _plain_steps(pieces, cache, rows, 4) / 4
         for k in range(1, max_depth + 1):
             runs[kind, k] = lambda depth=k, rows=rows: _drafting_cycles(pieces, cache, head_cache, g, rows, depth, n) / n
-    seconds = _interleaved(runs, progress or (lambda: None))
+    seconds = _interleaved(runs, progress)
     return {kind: {k: seconds[kind, k] for k in range(max_depth + 1)} for kind in kinds}
 
 
@@ -97,7 +97,7 @@ class _Rows:
 
 
 def _interleaved(runs: Dict[Hashable, Callable[[], float]],
-                 progress: Callable[[], None]) -> Dict[Hashable, float]:
+                 progress: Optional[Callable[[], None]] = None) -> Dict[Hashable, float]:
     """Seconds per cycle of each run: every run once per round (after an untimed round
     that compiles and waits out work already queued), each round's times taken relative to
     its first run's (plain greedy decoding), the median of those ratios times that run's
@@ -105,7 +105,8 @@ def _interleaved(runs: Dict[Hashable, Callable[[], float]],
     between seconds shifts a round as a whole."""
     def timed(run):
         seconds = run()
-        progress()
+        if progress is not None:
+            progress()
         return seconds
 
     for run in runs.values():
