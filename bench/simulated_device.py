@@ -103,14 +103,14 @@ class DeviceClock:
 
     def calibration(self, pieces, batch_size, max_depth, shape_stable, pipelined=False, kinds=("greedy", "sampled"),
                     progress=None):
-        """The start-up calibration's costs as it measures them: the mean of 4 plain cycles and of
-        1 drafting cycle (3 when pipelined) per run, its rounds and medians of ratios."""
-        n = 3 if pipelined else 1
+        """The start-up calibration's costs as it measures them: the mean of a run's cycles (as many
+        as the engine's runs time together), its rounds and medians of ratios."""
+        n = calibration.drafting_cycles(pipelined)
 
         def run(k: int, cycles: int):
             return lambda: sum(self.cycle(k, k, False, self.calibration_noise) for _ in range(cycles)) / cycles
 
-        runs = {(kind, k): run(k, n if k else 4) for kind in kinds for k in range(max_depth + 1)}
+        runs = {(kind, k): run(k, n if k else calibration.PLAIN_CYCLES) for kind in kinds for k in range(max_depth + 1)}
         seconds = calibration._interleaved(runs, progress)
         return {kind: {k: seconds[kind, k] for k in range(max_depth + 1)} for kind in kinds}
 

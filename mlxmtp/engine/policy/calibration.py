@@ -38,6 +38,12 @@ from .base import GREEDY, SAMPLED
 
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
 REPS = 5  # timed rounds over every depth, after one untimed round
+PLAIN_CYCLES = 4  # plain cycles timed together in one run (one alone is too short to time)
+
+
+def drafting_cycles(pipelined: bool) -> int:
+    """Drafting cycles timed together in one run: pipelined ones overlap their neighbours."""
+    return 3 if pipelined else 1
 
 
 def seed_policy(policy, pieces: ModelPieces, batch_size: int, shape_stable: bool, pipelined: bool,
@@ -67,11 +73,11 @@ def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, sh
         cache.fix_shapes(2)
         head_cache.fix_shapes(1)
     g = hidden[:, -1:]
-    n = 3 if pipelined else 1
+    n = drafting_cycles(pipelined)
     runs = {}
     for kind in kinds:
         rows = _Rows(pieces, batch_size, kind)
-        runs[kind, 0] = lambda rows=rows: _plain_steps(pieces, cache, rows, 4) / 4
+        runs[kind, 0] = lambda rows=rows: _plain_steps(pieces, cache, rows, PLAIN_CYCLES) / PLAIN_CYCLES
         for k in range(1, max_depth + 1):
             runs[kind, k] = lambda depth=k, rows=rows: _drafting_cycles(pieces, cache, head_cache, g, rows, depth, n) / n
     seconds = _interleaved(runs, progress)
