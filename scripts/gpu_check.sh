@@ -25,7 +25,8 @@
 # ragged (bench/ragged_rows.py: short rows beside a 16000-token one, attention per run of rows
 # against one padded call, MTP off and k=2, shape-stable as on a GPU; and the row attention's
 # tests), suffix (issue 44 on the GPU: bench/decode.py's edit workload, k=3 and adaptive with and
-# without suffix drafts, greedy; and bench/batch.py's agents workload at 4 and 8 requests).
+# without suffix drafts, greedy; bench/batch.py's agents workload at 4 and 8 requests; and
+# bench/split_verify.py: a padded verify of rows drafting different lengths against one per length).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -88,7 +89,9 @@ for check in "$@"; do
         suffix) timeout 200 python3 bench/decode.py --models demo --temps 0 --depths 3 --suffix --workload edit \
                     --max-tokens 200 --rounds "$ROUNDS" --markdown 2>&1 | tee "$OUT/decode_edit.md"
                 timeout 150 python3 bench/batch.py --concurrency 4,8 --rounds 2 --suffix --workload agents \
-                    --depths 2 --no-joins 2>&1 | tee "$OUT/batch_agents.md" ;;
+                    --depths 2 --no-joins 2>&1 | tee "$OUT/batch_agents.md"
+                timeout 90 python3 bench/split_verify.py --rows 8 --context 1000 --reps 9 2>&1 \
+                    | tee "$OUT/split_verify.md" ;;
         *) echo "unknown check: $check" ;;
     esac
 done

@@ -1,5 +1,5 @@
 """bench/decode.py: the interleaved timing it reports, and one tiny end-to-end run; and a
-tiny run of bench/verify_forward.py."""
+tiny run of bench/verify_forward.py and of bench/split_verify.py."""
 
 import importlib.util
 import sys
@@ -89,6 +89,21 @@ def test_verify_forward_bench_times_both_forwards(capsys):
     for r in rows:
         ratios = [float(x.rstrip("x ")) for x in r.strip("| ").split(" | ")[1:]]
         assert len(ratios) == 5 and all(0.2 < x < 5 for x in ratios), r
+
+
+def test_split_verify_bench_times_both_ways_and_counts_the_real_tokens(capsys):
+    """A padded verify of 3 rows against a forward per draft length (1 row of T tokens, 2 of
+    2): a ratio per T, beside the share of the padded forward's tokens that are real."""
+    sv = _bench_module("split_verify")
+    from mlxmtp.models.demo import demo_model_path
+    from mlxmtp.models.load import load
+
+    model, _ = load(str(demo_model_path()))
+    got = sv.report(model, rows=3, long_rows=1, short=2, sizes=[3, 5], context=16, reps=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "| long rows' T | 3 | 5 |"
+    assert lines[-1] == "| real tokens / padded tokens | 0.778 | 0.600 |"  # (T + 2 * 2) / (3 * T)
+    assert sorted(got) == [3, 5] and all(0.05 < r < 20 for r in got.values())
 
 
 @pytest.mark.parametrize("unread", [False, True])
