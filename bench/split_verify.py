@@ -36,7 +36,8 @@ from mlxmtp.models.load import load
 
 
 def verifier(parts, rows: int, context: int):
-    """A timed verify of `rows` rows, T tokens each, at `context` tokens of cache: run(T) -> s."""
+    """The verify of `rows` rows at `context` tokens of cache, as (launch(T): the arrays of a
+    T-token forward of every row, to evaluate; settle(T): the caches back to `context`)."""
     cache = adapter.make_cache(parts, rows)
     mx.eval(adapter.forward(parts, mx.zeros((rows, context), mx.int32), cache)[0])
 
@@ -93,10 +94,12 @@ def main():
     args = ap.parse_args()
     if not 0 < args.long_rows < args.rows:
         ap.error("--long-rows must be between 1 and --rows - 1")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if min(sizes) <= args.short:
+        ap.error("every size must be longer than --short (the long rows set the padded length)")
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = load(model_path(args.model, tmp)[0])
-        report(model, args.rows, args.long_rows, args.short, [int(s) for s in args.sizes.split(",")],
-               args.context, args.reps)
+        report(model, args.rows, args.long_rows, args.short, sizes, args.context, args.reps)
 
 
 if __name__ == "__main__":
