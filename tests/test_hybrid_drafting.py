@@ -62,6 +62,20 @@ def test_the_demo_asked_again_is_drafted_by_the_suffix_and_stays_exact(num_draft
     assert s["drafted"] == sum(v["drafted"] for v in s["by_source"].values())
 
 
+def test_a_suffix_cycle_planned_while_a_plain_one_is_in_flight_drafts_from_the_suffix():
+    """Plain cycles are pipelined: the next cycle is planned before the one in flight is read,
+    and a plan with suffix rows reads it first. That read must not take the new plan for the
+    old cycle's: the planned suffix draft would become a head chain of its length. With the
+    head pinned to plain decoding every draft is the suffix's."""
+    model, tok, ref = loaded(str(demo_model_path()))
+    prompt = tok.encode('def parse_args(argv):\n    """Parse the command line."""\n')  # it repeats itself
+    res = generate(model, tok, prompt, max_tokens=256, config=EngineConfig(num_draft=0, suffix_drafts=True))
+    assert res.token_ids == reference_greedy(ref, prompt, 256)
+    s = res.stats.as_dict()
+    assert list(s["by_source"]) == ["suffix"] and s["by_source"]["suffix"]["accepted"] >= 128, s["by_source"]
+    assert s["depths"][0] > 0 and s["depth_reasons"].get(SUFFIX, 0) == sum(n for k, n in s["depths"].items() if k)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_6_moe"])
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_row_drafting_from_the_suffix_beside_rows_drafting_with_the_head(fixture_model, family, pipelined,

@@ -51,7 +51,11 @@ class HybridProposer(Proposer):
         self.calibration = Calibration()
         self.reach = Reach()
         self.lookups = Lookups()
-        self.plan_: CyclePlan = head_only(0)
+        self.plan_: CyclePlan = head_only(0)  # the next cycle's (`plan`)
+        # The plan of the cycle proposed last, which `after_verify` learns from. Not `plan_`: the
+        # next cycle is planned before the cycle in flight is read, and a plan with suffix rows
+        # drains that cycle (needs_host_tokens) before its own is proposed.
+        self.launched: CyclePlan = head_only(0)
         self.drafts_made: List[Tuple[str, int]] = []  # the last cycle's, per row (`drafted`)
         self.suffix_ids: set = set()  # the requests whose last drafts were the suffix's
 
@@ -78,7 +82,7 @@ class HybridProposer(Proposer):
 
     # ------------------------------------------------------------ Proposer
     def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
-        plan = self.plan_
+        plan = self.launched = self.plan_
         if not plan.suffix:
             self.drafts_made = [(self.head.source, k)] * len(rows)
             return self.head.propose(batch, rows, k, pick)
@@ -101,6 +105,7 @@ class HybridProposer(Proposer):
         return Drafts(tokens, q)
 
     def propose_unread(self, batch, prev, k: int, pick: Picker) -> Drafts:
+        self.launched = self.plan_  # head-only: a plan with suffix rows is never pipelined
         self.drafts_made = [(self.head.source, k)] * len(prev.rows)
         return self.head.propose_unread(batch, prev, k, pick)
 
@@ -108,7 +113,7 @@ class HybridProposer(Proposer):
         return self.drafts_made if len(self.drafts_made) == n_rows else super().drafted(n_rows, k)
 
     def after_verify(self, batch, cycle, tokens: List[List[int]], consumed: List[int]) -> None:
-        plan, self.plan_ = self.plan_, head_only(0)
+        plan, self.launched = self.launched, head_only(0)
         self.suffix.after_verify(batch, cycle, tokens, consumed)
         if cycle.k == 0 or not plan.suffix:
             self.head.after_verify(batch, cycle, tokens, consumed)
