@@ -1,8 +1,8 @@
 """What each decode cycle cost: told to the depth policy, and added to the rows' stats.
 
 A cycle's cost for the depth policy is the interval between two finishes of the same
-kind (synchronous, or pipelined) at the same batch size: it includes all
-host work between cycles, alike for both kinds. A cycle after anything else is not
+kind (synchronous or pipelined, plain or drafting) at the same batch size: it includes
+all host work between cycles, alike for every kind. A cycle after anything else is not
 timed: the first after a prefill, after an early read of a pipelined cycle (a drain),
 or after a switch of kind (when a k = 0 stretch ends the head catches up on its pending
 inputs; when drafting ends the first plain cycle is not overlapped). What that first
@@ -20,7 +20,7 @@ from .state import acceptance_classes
 class CycleClock:
     def __init__(self):
         self.last_finish = 0.0
-        # (kind, batch size) of the previous finish while the next finish can be timed as
+        # (kind, batch size, drafting) of the previous finish while the next finish can be timed as
         # the interval between the two; None after anything that is not a decode cycle.
         self.mode: Optional[tuple] = None
         self.draft_time = 0.0  # drafting alone, measured when the engine profiles
@@ -43,7 +43,9 @@ class CycleClock:
         rows, B = rec.rows, len(rec.rows)
         now = time.perf_counter()
         dt = now - max(rec.t0, self.last_finish)
-        mode = ("sync" if rec.synchronous else "async", B)
+        # Plain and drafting cycles are kinds apart even where both are synchronous (a row's
+        # logits processor needs its tokens on the host) or both pipelined (`pipeline_drafts`).
+        mode = ("sync" if rec.synchronous else "async", B, rec.k > 0)
         interval = now - self.last_finish
         # The depth policy learns the head's acceptance and cycle costs. A cycle with suffix
         # drafts (proposers/hybrid.py) teaches it its cost: what a verify of its depth costs
@@ -51,12 +53,15 @@ class CycleClock:
         # acceptance, only from its rows that drafted with the head (_teach_head_rows). It is
         # synchronous, timed from its launch, so its cost is known after plain decoding too
         # (where a long verify of several rows can cost far more than a line through the
-        # head's depths says). The cycle after it is not timed: the head first catches up on
-        # the inputs the suffix cycle left it, about the same work at every depth.
+        # head's depths says), unless its head rows first caught up on a plain stretch's
+        # inputs: that excess is the switch's, not the verify's (read as a verify's, it priced
+        # k = 1 a fifth dear at 8 rows, BENCHMARKS.md). The cycle after it is not timed: the
+        # head first catches up on the inputs the suffix cycle left it, alike at every depth.
         suffix = any(source == "suffix" for source, _ in rec.drafted)
+        caught_up = self.switched and any(source == "mtp" and n > 0 for source, n in rec.drafted)
         classes = acceptance_classes(rows)
         if suffix:
-            policy.update(rec.k, B, dt if rec.synchronous else None, kept, classes, head=False)
+            policy.update(rec.k, B, dt if rec.synchronous and not caught_up else None, kept, classes, head=False)
             _teach_head_rows(rec, policy, classes, kept, chances)
         else:
             policy.update(rec.k, B, interval if self.mode == mode else None, kept, classes,
