@@ -40,8 +40,10 @@ class Run:
     def cycle(self, k, seconds, synchronous=True, drafted=None, switched=False):
         """One cycle of depth k, `drafted`: (source, drafts) per row (the head's k by default)."""
         self.clock.switched = switched
+        if drafted is None:
+            drafted = [("mtp", k)] * len(self.rows) if k else []
         rec = SimpleNamespace(rows=self.rows, k=k, t0=self.now, synchronous=synchronous, computed=0.0, built=0.0,
-                              drafted=drafted or [("mtp", k)] * len(self.rows) if k else [])
+                              drafted=drafted)
         self.now += seconds
         self.clock.finish(rec, self.policy, [1] * len(self.rows))
         return self.policy.reports[-1]
