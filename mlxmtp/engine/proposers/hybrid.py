@@ -32,7 +32,8 @@ import mlx.core as mx
 from ..suffix_index import Draft
 from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
-from .hybrid_plan import Calibration, CyclePlan, Lookups, Reach, choose, head_only
+from .fairness import Ledger
+from .hybrid_plan import Calibration, CyclePlan, Lookups, Reach, choose, head_cost, head_only
 from .mtp import MTPProposer, drop_chained_rows
 from .suffix import SuffixProposer, padded
 
@@ -51,6 +52,7 @@ class HybridProposer(Proposer):
         self.calibration = Calibration()
         self.reach = Reach()
         self.lookups = Lookups()
+        self.ledger = Ledger()  # each request's rate so far, for the plan's fairness (fairness.py)
         self.plan_: CyclePlan = head_only(0)  # the next cycle's (`plan`)
         # The plan of the cycle proposed last, which `after_verify` learns from. Not `plan_`: the
         # next cycle is planned before the cycle in flight is read, and a plan with suffix rows
@@ -65,13 +67,15 @@ class HybridProposer(Proposer):
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
         if cap == 0 or any(r.req.num_draft is not None for r in rows):  # a pinned depth is the head's
             self.plan_ = head_only(k)
-            return k
-        looked = {r.req.id for r in rows if self.lookups.due(r.req.id)}
-        proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) if r.req.id in looked else _NONE
-                     for r in rows]
-        self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable(),
-                            self.reach.whole)
-        self.lookups.update(looked, set(self.plan_.suffix))
+        else:
+            looked = {r.req.id for r in rows if self.lookups.due(r.req.id)}
+            proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) if r.req.id in looked
+                         else _NONE for r in rows]
+            self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable(),
+                                self.reach.whole, self.ledger)
+            self.lookups.update(looked, set(self.plan_.suffix))
+        cost = self.plan_.cost
+        self.ledger.charge(rows, cost if cost is not None else head_cost(policy, rows, self.plan_.depth))
         return self.plan_.depth
 
     def why(self) -> Optional[str]:
@@ -135,6 +139,7 @@ class HybridProposer(Proposer):
         self.suffix.drop_absent(present)
         self.reach.forget_absent(present)
         self.lookups.forget_absent(present)
+        self.ledger.forget_absent(present)
 
     def settle(self, batch, prev, kept: List[int]) -> None:
         self.head.settle(batch, prev, kept)

@@ -20,9 +20,9 @@ policy's choice, or as deep as the head goes within K: the verify covers K posit
 row anyway, and a head step costs `step` (the slope of the head's own cycle costs; `extra`:
 the steps c(K) does not already price, _head_depths). The plan takes the (K, j) with the
 highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
-long draft may pay cut short), leaving every row on the head at least `FAIR_SHARE` of its rate
-in the policy's own cycle; a row takes the suffix where E_s(K) beats E_h(j). The head runs
-only if some row takes its drafts.
+long draft may pay cut short), leaving every row on the head enough (fairness.py: half its rate
+in the policy's own cycle, or its answer so far near plain decoding's rate); a row takes the
+suffix where E_s(K) beats E_h(j). The head runs only if some row takes its drafts.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from ..limits import MAX_DRAFT_DEPTH
 from ..policy.base import kind_of
 from ..state import acceptance_classes
+from .fairness import Ledger, fair
 
 # The relative cost of each draft in a cycle where the policy has measured none: c(K) =
 # 1 + DEFAULT_SLOPE * K. Pessimistic for GPUs (a verify of a few tokens costs about one),
@@ -49,12 +50,6 @@ FIRST_REACH, MIN_REACH = 8, 4
 # ("self.", "):\n    ") recur all over code and prose and say little about what follows,
 # while text being copied matches longer with every token it copies.
 MIN_MATCH = 4
-# The least share of its own rate (its tokens per unit of cost in the cycle the policy chose) a
-# row left to the head keeps in a cycle whose depth other rows' suffix drafts set: a long
-# verify that pays by the batch's total can make the rows beside the copying ones a token per
-# several plain cycles, and an agent writing new code then waits longer for its answer than with
-# MTP off (BENCHMARKS.md, several agents on the H100's cycle costs).
-FAIR_SHARE = 0.5
 # Suffix depths on shape-stable engines: a few verify shapes instead of one per length.
 SHAPE_BUCKETS = (8, 16, 32)
 
@@ -69,6 +64,7 @@ class CyclePlan:
     suffix: Dict[int, List[float]]  # request id -> its suffix draft's probs (cut to the depth)
     # request id -> its Calibration key (rows drafting from the suffix): (request kind, streak)
     calibration_keys: Dict[int, Hashable]
+    cost: Optional[float] = None  # c(K) + the head's extra steps, as priced (None: a head-only plan)
 
     def suffix_rows(self, rows: Sequence) -> List[bool]:
         return [r.req.id in self.suffix for r in rows]
@@ -76,6 +72,11 @@ class CyclePlan:
 
 def head_only(k: int) -> CyclePlan:
     return CyclePlan(k, k, {}, {})
+
+
+def head_cost(policy, rows: Sequence, k: int) -> float:
+    """c(k) of a head-only cycle of `rows` as the policy prices it (DEFAULT_SLOPE where it has no price)."""
+    return (policy.relative_costs(len(rows), acceptance_classes(rows), [k]) or {}).get(k) or 1.0 + DEFAULT_SLOPE * k
 
 
 class Calibration:
@@ -225,9 +226,11 @@ def _depths(k: int, proposals: Sequence, cap: int, shape_stable: bool) -> List[i
 
 
 def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Calibration, cap: int,
-           shape_stable: bool = False, streaks: Optional[Dict[int, bool]] = None) -> CyclePlan:
+           shape_stable: bool = False, streaks: Optional[Dict[int, bool]] = None,
+           ledger: Optional[Ledger] = None) -> CyclePlan:
     """The plan of one cycle (see the module docstring); proposals[b]: row b's suffix_index.Draft;
-    streaks: request id -> whether its last suffix draft was kept whole (Reach.whole)."""
+    streaks: request id -> whether its last suffix draft was kept whole (Reach.whole); ledger:
+    the requests' rates so far (fairness.Ledger)."""
     proposals = [p if p.match_len >= MIN_MATCH else p._replace(tokens=[], probs=[]) for p in proposals]
     if not any(p.tokens for p in proposals):
         return head_only(k)
@@ -244,19 +247,19 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
         per_row = [expected(p.probs, f[b], K) for b, p in enumerate(proposals)]
         for j, extra in _head_depths(k, K, len(e_head) - 1):
             cost = costs[K] + extra * step
-            if any(e <= e_head[j] for e in per_row) and e_head[j] / cost < FAIR_SHARE * own:
+            if not fair(e_head[j], cost, own, [r for r, e in zip(rows, per_row) if e <= e_head[j]], ledger):
                 continue  # the rows left to the head would wait too long on the others' verify
             rate = sum(max(e_head[j], e) for e in per_row) / cost
             rate /= 1.0 if (K, j) == (k, k) else 1.0 + MARGIN
             if best is None or rate > best[0]:
-                best = (rate, K, j, [e > e_head[j] for e in per_row])
-    _, K, j, suffix_rows = best
+                best = (rate, K, j, [e > e_head[j] for e in per_row], cost)
+    _, K, j, suffix_rows, cost = best
     if not any(suffix_rows):
         return head_only(k)
     head_depth = j if not all(suffix_rows) else 0
     ids = [r.req.id for r in rows]
     probs = {i: list(p.probs[:K]) for i, p, use in zip(ids, proposals, suffix_rows) if use}
-    return CyclePlan(K, head_depth, probs, {i: key for i, key in zip(ids, keys) if i in probs})
+    return CyclePlan(K, head_depth, probs, {i: key for i, key in zip(ids, keys) if i in probs}, cost)
 
 
 def _head_depths(k: int, K: int, deepest: int) -> List[tuple]:
