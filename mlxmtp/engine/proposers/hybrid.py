@@ -25,7 +25,7 @@ only from the rows that drafted with the head.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -33,7 +33,7 @@ from ..suffix_index import Draft
 from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
 from .fairness import Ledger
-from .hybrid_plan import Calibration, CyclePlan, Lookups, Reach, choose, head_cost, head_only
+from .hybrid_plan import DEFAULT_SLOPE, Calibration, CyclePlan, Lookups, Reach, choose, head_only
 from .mtp import MTPProposer, drop_chained_rows
 from .suffix import SuffixProposer, padded
 
@@ -53,6 +53,7 @@ class HybridProposer(Proposer):
         self.reach = Reach()
         self.lookups = Lookups()
         self.ledger = Ledger()  # each request's rate so far, for the plan's fairness (fairness.py)
+        self.head_prices: Dict[Tuple[int, int], float] = {}  # (rows, depth) -> a head-only cycle's last price
         self.plan_: CyclePlan = head_only(0)  # the next cycle's (`plan`)
         # The plan of the cycle proposed last, which `after_verify` learns from. Not `plan_`: the
         # next cycle is planned before the cycle in flight is read, and a plan with suffix rows
@@ -74,9 +75,19 @@ class HybridProposer(Proposer):
             self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable(),
                                 self.reach.whole, self.ledger)
             self.lookups.update(looked, set(self.plan_.suffix))
-        cost = self.plan_.cost
-        self.ledger.charge(rows, cost if cost is not None else head_cost(policy, rows, self.plan_.depth))
+        self._charge(rows)
         return self.plan_.depth
+
+    def _charge(self, rows: List) -> None:
+        """The ledger's share of the planned cycle: its price where the plan priced it, else (no
+        suffix proposal to weigh) the last price of a head-only cycle of its depth at this batch
+        size. Asking the policy every cycle would add a collective per cycle across machines
+        (distributed/shared_policy.py); plain decoding costs 1 by definition."""
+        plan, key = self.plan_, (len(rows), self.plan_.depth)
+        if plan.cost is not None and not plan.suffix:
+            self.head_prices[key] = plan.cost
+        cost = plan.cost if plan.cost is not None else self.head_prices.get(key, 1.0 + DEFAULT_SLOPE * plan.depth)
+        self.ledger.charge(rows, cost)
 
     def why(self) -> Optional[str]:
         return SUFFIX if self.plan_.suffix else None

@@ -27,7 +27,7 @@ suffix where E_s(K) beats E_h(j). The head runs only if some row takes its draft
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..limits import MAX_DRAFT_DEPTH
@@ -64,7 +64,8 @@ class CyclePlan:
     suffix: Dict[int, List[float]]  # request id -> its suffix draft's probs (cut to the depth)
     # request id -> its Calibration key (rows drafting from the suffix): (request kind, streak)
     calibration_keys: Dict[int, Hashable]
-    cost: Optional[float] = None  # c(K) + the head's extra steps, as priced (None: a head-only plan)
+    # c(K) + the head's extra steps, as the plan priced them (None: not priced, no suffix proposal)
+    cost: Optional[float] = field(default=None, compare=False)
 
     def suffix_rows(self, rows: Sequence) -> List[bool]:
         return [r.req.id in self.suffix for r in rows]
@@ -72,11 +73,6 @@ class CyclePlan:
 
 def head_only(k: int) -> CyclePlan:
     return CyclePlan(k, k, {}, {})
-
-
-def head_cost(policy, rows: Sequence, k: int) -> float:
-    """c(k) of a head-only cycle of `rows` as the policy prices it (DEFAULT_SLOPE where it has no price)."""
-    return (policy.relative_costs(len(rows), acceptance_classes(rows), [k]) or {}).get(k) or 1.0 + DEFAULT_SLOPE * k
 
 
 class Calibration:
@@ -255,7 +251,7 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
                 best = (rate, K, j, [e > e_head[j] for e in per_row], cost)
     _, K, j, suffix_rows, cost = best
     if not any(suffix_rows):
-        return head_only(k)
+        return replace(head_only(k), cost=cost)
     head_depth = j if not all(suffix_rows) else 0
     ids = [r.req.id for r in rows]
     probs = {i: list(p.probs[:K]) for i, p, use in zip(ids, proposals, suffix_rows) if use}
