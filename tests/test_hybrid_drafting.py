@@ -231,7 +231,7 @@ def test_a_request_that_kept_plain_decodings_pace_can_afford_a_copying_rows_long
     assert plan.cost == pytest.approx(2.6)
     _decoded(ledger, rows[1:], 100, 1, 1.25)  # now 200 tokens over 225 plain cycles: 0.89
     assert hybrid_plan.choose(0, rows, [copying, none], policy, cal, 32, ledger=ledger).depth == 8
-    ledger.forget_absent({1})
+    hybrid_plan.forget_absent(ledger.of, {1})
     assert set(ledger.of) == {1}
 
 

@@ -42,10 +42,6 @@ class Ledger:
         start, spent = self.of.get(row.req.id, (row.generated, 0.0))
         return spent > 0 and (row.generated - start + tokens) / (spent + cost) >= REQUEST_SHARE
 
-    def forget_absent(self, present: set) -> None:
-        for rid in [rid for rid in self.of if rid not in present]:
-            del self.of[rid]
-
 
 def fair(tokens: float, cost: float, own: float, head_rows: Sequence, ledger: Optional[Ledger]) -> bool:
     """Whether a cycle costing `cost`, in which each of `head_rows` (the rows left to the head)

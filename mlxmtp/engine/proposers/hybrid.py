@@ -33,7 +33,16 @@ from ..suffix_index import Draft
 from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
 from .fairness import Ledger
-from .hybrid_plan import DEFAULT_SLOPE, Calibration, CyclePlan, Lookups, Reach, choose, head_only
+from .hybrid_plan import (
+    DEFAULT_SLOPE,
+    Calibration,
+    CyclePlan,
+    Lookups,
+    Reach,
+    choose,
+    forget_absent,
+    head_only,
+)
 from .mtp import MTPProposer, drop_chained_rows
 from .suffix import SuffixProposer, padded
 
@@ -150,7 +159,7 @@ class HybridProposer(Proposer):
         self.suffix.drop_absent(present)
         self.reach.forget_absent(present)
         self.lookups.forget_absent(present)
-        self.ledger.forget_absent(present)
+        forget_absent(self.ledger.of, present)
 
     def settle(self, batch, prev, kept: List[int]) -> None:
         self.head.settle(batch, prev, kept)
