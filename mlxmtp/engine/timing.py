@@ -55,8 +55,8 @@ class CycleClock:
         # (where a long verify of several rows can cost far more than a line through the
         # head's depths says), unless its head rows first caught up on a plain stretch's
         # inputs: that excess is the switch's, not the verify's (read as a verify's, it priced
-        # k = 1 a fifth dear at 8 rows, BENCHMARKS.md). The cycle after it is not timed: the
-        # head first catches up on the inputs the suffix cycle left it, alike at every depth.
+        # drafting too dear at a new batch size, BENCHMARKS.md). The cycle after it is not timed:
+        # the head first catches up on the inputs the suffix cycle left it, alike at every depth.
         suffix = any(source == "suffix" for source, _ in rec.drafted)
         caught_up = self.switched and any(source == "mtp" and n > 0 for source, n in rec.drafted)
         classes = acceptance_classes(rows)

@@ -8,8 +8,8 @@ where each row left to the head keeps `FAIR_SHARE` of its rate in the policy's o
 where its answer so far (`Ledger`) keeps `REQUEST_SHARE` of plain decoding's rate after it. The
 second lets a request that has made at least plain decoding's rate afford a few slow cycles
 while the copying rows finish. Where the policy decodes plainly, the first alone refused every
-long verify beside a row writing new code: at 4 rows on the H100's costs one run made 0.67 of
-k = 3's rate, because the copying rows got no suffix drafts (BENCHMARKS.md).
+long verify beside a row writing new code, so the copying rows got no suffix drafts at all
+(BENCHMARKS.md, several agents on the H100's cycle costs).
 """
 
 from __future__ import annotations
