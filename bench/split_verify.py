@@ -6,17 +6,15 @@ forward of the batch at the longest row's length: the short rows are padded to i
 forward's cost grows with its tokens (compute-bound: a CPU, or a GPU once the batch's tokens
 outgrow what its memory bandwidth hides) the padding costs as much as real tokens; where it is
 bound by reading the weights, one forward of all the rows costs about what one row's does, and
-two forwards cost two weight reads. This times the three on the engine's verify forward (its
+two forwards cost two weight reads. This times both on the engine's verify forward (its
 caches, recording for the Gated DeltaNet rollback) at the same context:
 
 - padded: one forward of every row at the long length;
 - split: one forward of the long rows at their length, one of the short rows at theirs, on
   caches of their own (what a split verify would run);
-- packed: the padded forward with its per-token layers on the real tokens only, as the engine
-  runs a verify of rows drafting different lengths (mlxmtp/mlxlm/packing.py);
 
-and prints the median over rounds of split / padded and packed / padded, each pair timed back
-to back (order alternating), beside the share of the padded forward's tokens that are real (what split /
+and prints the median over rounds of split / padded, the two timed back to back (order
+alternating), beside the share of the padded forward's tokens that are real (what split /
 padded comes to where a forward costs its tokens alone).
 
     python bench/split_verify.py                        # demo model, 4 rows, 2 of them long
@@ -29,24 +27,22 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from contextlib import nullcontext
 
 import mlx.core as mx
 from decode import model_path, paired_ratios
 
-from mlxmtp.mlxlm import adapter, gdn_capture, packing
+from mlxmtp.mlxlm import adapter, gdn_capture
 from mlxmtp.models.load import load
 
 
-def verifier(parts, rows: int, context: int, lengths=None):
+def verifier(parts, rows: int, context: int):
     """The verify of `rows` rows at `context` tokens of cache, as (launch(T): the arrays of a
-    T-token forward of every row, to evaluate; settle(T): the caches back to `context`);
-    `lengths(T)`: each row's real tokens, packed (mlxlm/packing.py), or None: all real."""
+    T-token forward of every row, to evaluate; settle(T): the caches back to `context`)."""
     cache = adapter.make_cache(parts, rows)
     mx.eval(adapter.forward(parts, mx.zeros((rows, context), mx.int32), cache)[0])
 
     def launch(T):
-        with gdn_capture.record(), packing.real_tokens(lengths(T), T) if lengths else nullcontext():
+        with gdn_capture.record():
             logits, hidden = adapter.forward(parts, mx.zeros((rows, T), mx.int32), cache)
         return [logits, hidden, *cache.arrays()]
 
@@ -72,23 +68,18 @@ def timed(*sides):
 
 def report(model, rows: int, long_rows: int, short: int, sizes, context: int, reps: int):
     parts = model.parts
-    adapter.prepare_model(parts.text_model)  # the engine's patches: records, packing
     padded = timed((*verifier(parts, rows, context), lambda T: T))
     split = timed((*verifier(parts, long_rows, context), lambda T: T),
                   (*verifier(parts, rows - long_rows, context), lambda T: short))
-    packed = timed((*verifier(parts, rows, context,
-                               lambda T: [T] * long_rows + [short] * (rows - long_rows)), lambda T: T))
     got = paired_ratios(split, padded, sizes, reps)
-    got_packed = paired_ratios(packed, padded, sizes, reps)
     print(f"device: {mx.default_device()}   context: {context}   reps: {reps}   "
           f"{rows} rows, {long_rows} verifying T tokens, the rest {short}")
     print("| long rows' T | " + " | ".join(f"{T}" for T in sizes) + " |")
     print("|---" * (len(sizes) + 1) + "|")
     print("| split / padded | " + " | ".join(f"{got[T]:.3f}x" for T in sizes) + " |")
-    print("| packed / padded | " + " | ".join(f"{got_packed[T]:.3f}x" for T in sizes) + " |")
     real = {T: (long_rows * T + (rows - long_rows) * short) / (rows * T) for T in sizes}
     print("| real tokens / padded tokens | " + " | ".join(f"{real[T]:.3f}" for T in sizes) + " |")
-    return got, got_packed
+    return got
 
 
 def main():

@@ -26,7 +26,7 @@
 # against one padded call, MTP off and k=2, shape-stable as on a GPU; and the row attention's
 # tests), suffix (issue 44 on the GPU: bench/decode.py's edit workload, k=3 and adaptive with and
 # without suffix drafts, greedy; bench/batch.py's agents workload at 4 and 8 requests; and
-# bench/split_verify.py: a padded verify of rows drafting different lengths against one per length and a packed one).
+# bench/split_verify.py: a padded verify of rows drafting different lengths against one per length).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.

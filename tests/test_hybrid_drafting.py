@@ -24,14 +24,13 @@ from mlxmtp.engine.config import EngineConfig
 from mlxmtp.engine.generate import generate
 from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.base import GREEDY, OPENING_TOKENS
-from mlxmtp.engine.proposers import fairness, hybrid_plan, prices
+from mlxmtp.engine.proposers import fairness, hybrid_plan
 from mlxmtp.engine.proposers.base import SUFFIX
 from mlxmtp.engine.proposers.hybrid import HybridProposer
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.engine.state import acceptance_classes
 from mlxmtp.engine.suffix_index import Draft
-from mlxmtp.mlxlm import packing
 from mlxmtp.models.demo import demo_model_path
 
 
@@ -85,7 +84,7 @@ def test_a_row_drafting_from_the_suffix_beside_rows_drafting_with_the_head(fixtu
     outputs, in the same cycles as two other rows' head drafts padded to its depth; float32
     fixtures: batched output equals mlx-lm's alone, bit for bit. Verifies priced as on a GPU
     (a few percent a token: long drafts pay in a batch)."""
-    monkeypatch.setattr(prices, "DEFAULT_SLOPE", 0.02)
+    monkeypatch.setattr(hybrid_plan, "DEFAULT_SLOPE", 0.02)
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
     prompts = [prompt_of(11, seed=3), prompt_of(30, seed=4), prompt_of(5, seed=5)]
     want = [reference_greedy(ref, p, 40) for p in prompts]
@@ -102,18 +101,14 @@ def test_a_row_drafting_from_the_suffix_beside_rows_drafting_with_the_head(fixtu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_sampled_rows_keep_the_target_distribution(tiny_vocab_model, plain_samples, monkeypatch, packed):  # noqa: F811
+def test_sampled_rows_keep_the_target_distribution(tiny_vocab_model, plain_samples, monkeypatch):  # noqa: F811
     """Rows sampling the same prompt: each draws suffix drafts from the outputs before it
     (q a point mass) or head drafts (q the oracle's), mixed in one cycle; the tokens at
     positions 1 and 2 are distributed as plain sampling's. Verifies priced as on a GPU
     (a few percent a token), the head's drafts as poor and 2-token matches as enough, so that
-    suffix drafts are many. `packed`: every verify with suffix drafts packs its rows' real tokens
-    (mlxlm/packing.py), and keeps no padded draft."""
-    monkeypatch.setattr(prices, "DEFAULT_SLOPE", 0.02)
+    suffix drafts are many."""
+    monkeypatch.setattr(hybrid_plan, "DEFAULT_SLOPE", 0.02)
     monkeypatch.setattr(hybrid_plan, "MIN_MATCH", 2)
-    monkeypatch.setattr(packing, "MIN_PADDING", 0.0 if packed else 1.0)
-    monkeypatch.setattr(prices, "PACK_GAIN", -1.0)  # packed wherever the rows' drafts differ
     model, tok = tiny_vocab_model
     eng = OracleDraftEngine(model, tok, EngineConfig(num_draft=2, max_batch=64, prefix_cache_bytes=64 << 20,
                                                      suffix_drafts=True))

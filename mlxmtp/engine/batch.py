@@ -251,9 +251,9 @@ class BatchGenerator:
         t0 = time.perf_counter()
         ys = cycle.first_inputs(rows, after)
         drafts, q = self._propose(rows, k, sampling)
-        drafted, packs = (self.proposer.drafted(len(rows), k), self.proposer.packs()) if k else (None, False)
+        drafted = self.proposer.drafted(len(rows), k) if k else None
         return cycle.verify(self.pieces, self.cache, rows, ys, drafts, q, self.acceptance_rule, t0,
-                            after is not None, sampling, drafted, packs)
+                            after is not None, sampling, drafted)
 
     def _propose(self, rows: List[Row], k: int, sampling: BatchSampling):
         """k drafts per row -> (drafts [B, k], the q log-probs [B, k, V] or None: all greedy)."""

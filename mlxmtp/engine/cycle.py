@@ -19,13 +19,12 @@ builds a cycle while the device computes the one before.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..mlxlm import adapter, gdn_capture, packing
+from ..mlxlm import adapter, gdn_capture
 from ..mlxlm.model_cache import ModelCache
 from .pieces import ModelPieces
 from .sampling.accept import VerifyMetadata, accept
@@ -115,32 +114,21 @@ def wait_for_drafts(drafts: mx.array, q: Optional[mx.array]) -> float:
 
 def verify(pieces: ModelPieces, cache: ModelCache, rows: List[Row], ys: mx.array, drafts: mx.array,
            q: Optional[mx.array], rule: str, t0: float, pipelined: bool, sampling: BatchSampling,
-           drafted: Optional[List[Tuple[str, int]]] = None, packs: bool = False) -> Cycle:
+           drafted: Optional[List[Tuple[str, int]]] = None) -> Cycle:
     """Build the verify forward over [ys, drafts] ([B, k+1]) and the acceptance, lazily;
-    `sampling`: the cycle's, which its drafts were picked with; `packs`: the forward's
-    per-token layers run on each row's own drafts only (Proposer.packs)."""
+    `sampling`: the cycle's, which its drafts were picked with."""
     k = drafts.shape[1]
-    records, real = [], real_lengths(drafted, k) if packs else None
+    records = []
     if k > 0:
         inputs = mx.concatenate([ys, drafts], axis=1)
-        with gdn_capture.record() as rec, packing.real_tokens(real, k + 1) if real else nullcontext():
+        with gdn_capture.record() as rec:
             logits, hidden = adapter.forward(pieces.parts, inputs, cache, pieces.hidden_state)
         records = rec.layers
     else:
         logits, hidden = adapter.forward(pieces.parts, ys, cache, pieces.hidden_state)
     kept, tokens, lps, chances = accept(VerifyMetadata.for_rows(rows, drafts, q, rule, pieces.compiled, sampling),
                                         logits)
-    if real:  # a padded position's logits were not computed: no draft past a row's own is kept
-        kept = mx.minimum(kept, mx.array([n - 1 for n in real], dtype=kept.dtype))
     return Cycle(rows, k, kept, tokens, lps, hidden, records, t0, pipelined, drafted or [], chances=chances)
-
-
-def real_lengths(drafted: Optional[List[Tuple[str, int]]], k: int) -> Optional[List[int]]:
-    """Each row's real tokens in a verify of depth k (its input and its own drafts; its padding
-    repeats its last draft), where padding is enough of the verify to pack it away
-    (mlxlm/packing.py), else None."""
-    lengths = [min(n, k) + 1 for _, n in drafted or []]
-    return lengths if k > 0 and packing.worth_packing(lengths, k + 1) else None
 
 
 def evaluate(rec: Cycle, batch: Batch) -> None:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from . import gdn_capture, packing, row_attention
+from . import gdn_capture, row_attention
 from .family import TextParts, check_patched
 from .model_cache import ModelCache
 from .pipeline import local_layers
@@ -19,7 +19,6 @@ def prepare_model(model: nn.Module) -> None:
     they did not reach is refused now (family.check_patched)."""
     gdn_capture.install(model)
     row_attention.install()
-    packing.install(model)
     check_patched(local_layers(model.model))
 
 
@@ -50,13 +49,9 @@ def forward(parts: TextParts, tokens: mx.array, cache: list, hidden_state: str =
         tap = _norm_tap(parts.backbone.norm)
         h = parts.backbone(tokens, cache)
         x, tap.x = tap.x, None
-        return _lm_head(parts, h), x
+        return parts.lm_head(h), x
     h = parts.backbone(tokens, cache)
-    return _lm_head(parts, h), h
-
-
-def _lm_head(parts: TextParts, h: mx.array) -> mx.array:
-    return packing.packed_call(parts.lm_head, h) if packing.active() else parts.lm_head(h)
+    return parts.lm_head(h), h
 
 
 class _TapSlot:

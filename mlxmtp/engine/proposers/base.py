@@ -89,12 +89,6 @@ class Proposer:
         rest of its k drafts were padding (stats, /metrics)."""
         return [(self.source, k)] * n_rows
 
-    def packs(self) -> bool:
-        """Whether the cycle just proposed verifies each row's own drafts only, its padding
-        left out of the per-token layers (mlxlm/packing.py): rows drafting different numbers
-        where the verify's tokens cost their compute (proposers/prices.py)."""
-        return False
-
     def propose(self, batch, rows: List, k: int, pick: Picker) -> Drafts:
         """k drafts (k >= 1) for every row of `rows` (the Batch's rows, in order); `pick`
         decides each draft from a drafter's logits (unused by a model-free drafter)."""

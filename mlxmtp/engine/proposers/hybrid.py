@@ -34,6 +34,7 @@ from . import mtp_inputs
 from .base import SUFFIX, Drafts, Picker, Proposer, point_mass
 from .fairness import Ledger
 from .hybrid_plan import (
+    DEFAULT_SLOPE,
     Calibration,
     CyclePlan,
     Lookups,
@@ -43,7 +44,6 @@ from .hybrid_plan import (
     head_only,
 )
 from .mtp import MTPProposer, drop_chained_rows
-from .prices import DEFAULT_SLOPE
 from .suffix import SuffixProposer, padded
 
 
@@ -97,9 +97,6 @@ class HybridProposer(Proposer):
             self.head_prices[key] = plan.cost
         cost = plan.cost if plan.cost is not None else self.head_prices.get(key, 1.0 + DEFAULT_SLOPE * plan.depth)
         self.ledger.charge(rows, cost)
-
-    def packs(self) -> bool:
-        return self.launched.packed
 
     def why(self) -> Optional[str]:
         return SUFFIX if self.plan_.suffix else None

@@ -15,8 +15,7 @@ plain decoding = 1, raised by its doubt about them for K other than k; a K deepe
 measured costs halfway between the deepest measured one and the line through those measured,
 so that a long verify that pays by a wide margin is tried rather than priced out by a steep
 line through short ones, and one that pays only if it costs no more than a short one is not;
-`DEFAULT_SLOPE` per draft where nothing is measured; prices.py, which also says whether the
-verify packs the rows' real tokens). The head's rows draft j = min(k, K), the
+`DEFAULT_SLOPE` per draft where nothing is measured). The head's rows draft j = min(k, K), the
 policy's choice, or as deep as the head goes within K: the verify covers K positions of every
 row anyway, and a head step costs `step` (the slope of the head's own cycle costs; `extra`:
 the steps c(K) does not already price, _head_depths). The plan takes the (K, j) with the
@@ -29,14 +28,17 @@ suffix where E_s(K) beats E_h(j). The head runs only if some row takes its draft
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..limits import MAX_DRAFT_DEPTH
 from ..policy.base import kind_of
 from ..state import acceptance_classes
 from .fairness import Ledger, fair
-from .prices import Prices
 
+# The relative cost of each draft in a cycle where the policy has measured none: c(K) =
+# 1 + DEFAULT_SLOPE * K. Pessimistic for GPUs (a verify of a few tokens costs about one),
+# about right for CPUs, where the suffix must then be sure of long drafts to be chosen.
+DEFAULT_SLOPE = 0.5
 # The chance of each head draft being kept where the policy has no estimate.
 PRIOR_ACCEPT = 0.5
 # A depth other than the head's must beat it by this share: the suffix's estimates are
@@ -64,7 +66,6 @@ class CyclePlan:
     calibration_keys: Dict[int, Hashable]
     # c(K) + the head's extra steps, as the plan priced them (None: not priced, no suffix proposal)
     cost: Optional[float] = field(default=None, compare=False)
-    packed: bool = field(default=False, compare=False)  # its verify packs the rows' real tokens (prices.py)
 
     def suffix_rows(self, rows: Sequence) -> List[bool]:
         return [r.req.id in self.suffix for r in rows]
@@ -190,6 +191,22 @@ def run_chance(match_len: int) -> float:
     return (match_len + 1) / (match_len + 2)
 
 
+def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int], k: int,
+           deepest: int) -> Tuple[Dict[int, float], float]:
+    """(c(K) per depth, the price of one head step): the head's depth k as the policy prices it
+    (its choice already allowed for the doubt), any other cautiously (`relative_costs`);
+    DEFAULT_SLOPE where nothing is known. A head step is priced by the slope of the head's
+    own cycles of depths 1..`deepest` (a draft more adds a step and a verified token: an upper
+    bound of the step's cost)."""
+    known = policy.relative_costs(batch_size, classes, sorted({*depths, 1, max(deepest, 1)})) or {}
+    doubted = policy.relative_costs(batch_size, classes, depths, cautious=True) or {}
+    costs = {K: (known if K == k else doubted).get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
+    step = DEFAULT_SLOPE
+    if deepest > 1 and known.get(1) and known.get(deepest):
+        step = max(0.0, (known[deepest] - known[1]) / (deepest - 1))
+    return costs, step
+
+
 def _bucket(n: int, shape_stable: bool, cap: int) -> int:
     if not shape_stable or n <= 4:
         return n
@@ -218,38 +235,27 @@ def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Cal
     streaks = streaks or {}
     keys = [(kind_of(c), streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
     f = [max(calibration.factor(key), run_chance(p.match_len)) for key, p in zip(keys, proposals)]
-    cycles = _candidates(k, _depths(k, proposals, cap, shape_stable), proposals, f, e_head)
-    prices = Prices(policy, len(rows), classes, sorted({c[0] for c in cycles}), k, len(e_head) - 1)
+    depths = _depths(k, proposals, cap, shape_stable)
+    costs, step = _costs(policy, len(rows), classes, depths, k, len(e_head) - 1)
     best: Optional[tuple] = None
-    own = e_head[k] / prices.costs[k]  # a head row's tokens per unit of cost in the policy's own cycle
-    for K, j, extra, per_row, lengths in cycles:
-        cost, packed = prices.verify(K, lengths)
-        cost += extra * prices.step
-        if not fair(e_head[j], cost, own, [r for r, e in zip(rows, per_row) if e <= e_head[j]], ledger):
-            continue  # the rows left to the head would wait too long on the others' verify
-        rate = sum(max(e_head[j], e) for e in per_row) / cost
-        rate /= 1.0 if (K, j) == (k, k) else 1.0 + MARGIN
-        if best is None or rate > best[0]:
-            best = (rate, K, j, [e > e_head[j] for e in per_row], cost, packed)
-    _, K, j, suffix_rows, cost, packed = best
+    own = e_head[k] / costs[k]  # a head row's tokens per unit of cost in the policy's own cycle
+    for K in depths:
+        per_row = [expected(p.probs, f[b], K) for b, p in enumerate(proposals)]
+        for j, extra in _head_depths(k, K, len(e_head) - 1):
+            cost = costs[K] + extra * step
+            if not fair(e_head[j], cost, own, [r for r, e in zip(rows, per_row) if e <= e_head[j]], ledger):
+                continue  # the rows left to the head would wait too long on the others' verify
+            rate = sum(max(e_head[j], e) for e in per_row) / cost
+            rate /= 1.0 if (K, j) == (k, k) else 1.0 + MARGIN
+            if best is None or rate > best[0]:
+                best = (rate, K, j, [e > e_head[j] for e in per_row], cost)
+    _, K, j, suffix_rows, cost = best
     if not any(suffix_rows):
         return replace(head_only(k), cost=cost)
     head_depth = j if not all(suffix_rows) else 0
     ids = [r.req.id for r in rows]
     probs = {i: list(p.probs[:K]) for i, p, use in zip(ids, proposals, suffix_rows) if use}
-    return CyclePlan(K, head_depth, probs, {i: key for i, key in zip(ids, keys) if i in probs}, cost, packed)
-
-
-def _candidates(k: int, depths: List[int], proposals: Sequence, f: List[float], e_head: List[float]) -> List[tuple]:
-    """(K, j, extra head steps, each row's E_s(K), each row's real tokens) of every cycle the
-    plan weighs: a row takes the suffix where E_s(K) beats E_h(j), else drafts j with the head."""
-    out = []
-    for K in depths:
-        per_row = [expected(p.probs, f[b], K) for b, p in enumerate(proposals)]
-        for j, extra in _head_depths(k, K, len(e_head) - 1):
-            lengths = [min(len(p.tokens), K) + 1 if e > e_head[j] else j + 1 for p, e in zip(proposals, per_row)]
-            out.append((K, j, extra, per_row, lengths))
-    return out
+    return CyclePlan(K, head_depth, probs, {i: key for i, key in zip(ids, keys) if i in probs}, cost)
 
 
 def _head_depths(k: int, K: int, deepest: int) -> List[tuple]:
