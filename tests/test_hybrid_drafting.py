@@ -30,7 +30,7 @@ from mlxmtp.engine.proposers.hybrid import HybridProposer
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.engine.state import acceptance_classes
-from mlxmtp.engine.suffix_index import Draft
+from mlxmtp.engine.suffix_index import MAX_MATCH, Draft
 from mlxmtp.models.demo import demo_model_path
 
 
@@ -182,7 +182,9 @@ def test_the_plan_takes_the_suffix_only_where_it_pays():
     # ... but not a row whose last suffix draft was kept whole: it is calibrated apart.
     assert cal.factor((GREEDY, True)) == 1.0
     short_match = _draft(16, 0.99)._replace(match_len=4)
-    plan = hybrid_plan.choose(3, rows[:1], [short_match], _Policy(), cal, 32, streaks={1: True})
+    streak = hybrid_plan.Reach()
+    streak.whole[1] = True
+    plan = hybrid_plan.choose(3, rows[:1], [short_match], _Policy(), cal, 32, reach=streak)
     assert plan.depth == 16 and plan.calibration_keys[1] == (GREEDY, True)
     assert hybrid_plan.choose(3, rows[:1], [short_match], _Policy(), cal, 32).depth < 16
     for _ in range(200):
@@ -425,14 +427,38 @@ def test_a_rows_reach_grows_with_drafts_kept_whole_and_shrinks_after_misses():
     plan = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: (GREEDY, False)})
     assert reach.get(1) == hybrid_plan.FIRST_REACH == 8
     reach.update([row], plan, [9])  # all 8 kept
-    assert reach.get(1) == 16 and reach.whole == {1: True}
-    reach.update([row], plan, [3])  # 2 kept: as it was
-    assert reach.get(1) == 16 and reach.whole == {1: False}
-    for want in (8, 4, 4):  # the first draft rejected
+    assert reach.get(1) == 16 and reach.whole == {1: True} and reach.run == {1: 9}
+    reach.update([row], plan, [9])
+    assert reach.run == {1: 18}
+    reach.update([row], plan, [3])  # 2 kept: as it was; the run of copied text ends
+    assert reach.get(1) == 32 and reach.whole == {1: False} and reach.run == {1: 0}
+    for want in (16, 8, 4, 4):  # the first draft rejected
         reach.update([row], plan, [1])
         assert reach.get(1) == want
     reach.forget_absent(set())
-    assert reach.get(1) == 8 and reach.whole == {}
+    assert reach.get(1) == 8 and reach.whole == {} and reach.run == {}
+
+
+def test_a_long_run_of_copied_text_is_evidence_past_the_indexs_longest_match():
+    """The suffix index matches at most MAX_MATCH tokens back, so a row that has copied a file
+    for 200 tokens shows the same 32-token match as one that has copied 32. Where a verify
+    costs about a token a draft (a CPU, a compute-bound batch), the rule of succession on 32
+    tokens leaves a 32-token draft short of paying, and on the run it pays; a match shorter than
+    the index's bound says the text changed since, and the run no longer counts."""
+    rows, cal = [_Row(1)], hybrid_plan.Calibration()
+    failed = hybrid_plan.CyclePlan(8, 0, {1: [0.9] * 8}, {1: (GREEDY, False)})
+    for _ in range(3):
+        cal.update(rows, failed, [1])
+    cpu = _Policy(slope=0.25)
+    copying = Draft(list(range(MAX_MATCH)), [1.0] * MAX_MATCH, MAX_MATCH)
+    reach = hybrid_plan.Reach()
+    assert hybrid_plan.choose(3, rows, [copying], cpu, cal, 32, reach=reach).depth == 16
+    reach.run[1] = 200
+    assert reach.evidence(1, MAX_MATCH) == 200
+    assert hybrid_plan.choose(3, rows, [copying], cpu, cal, 32, reach=reach).depth == 32
+    shorter = copying._replace(match_len=MAX_MATCH - 1)
+    assert reach.evidence(1, MAX_MATCH - 1) == MAX_MATCH - 1
+    assert hybrid_plan.choose(3, rows, [shorter], cpu, cal, 32, reach=reach).depth == 16
 
 
 def test_the_rows_on_the_head_in_a_suffix_cycle_teach_its_acceptance():

@@ -46,6 +46,7 @@ _SEP_CODE = (1 << _BITS) - 1  # SEP in a key; token ids must be below it
 _ONE_SHOT = 16  # at most this many occurrences: their agreed continuation is taken at once
 _BLOCK = 1024  # tokens compared at once when a match is extended backwards
 _MAX_SEEN = 256  # occurrences of a match whose continuations are counted: the latest
+MAX_MATCH = 32  # the longest match looked for: a Draft's match_len is at most this
 _NONE = np.empty(0, np.int32)
 
 
@@ -66,7 +67,7 @@ class Draft(NamedTuple):
 class TokenIndex:
     """One token stream (sequences separated by SEP) and where each key occurs."""
 
-    def __init__(self, tokens: Sequence[int] = (), min_match: int = 2, max_match: int = 32,
+    def __init__(self, tokens: Sequence[int] = (), min_match: int = 2, max_match: int = MAX_MATCH,
                  live_max: int = 1024) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError("need 1 <= min_match <= max_match")
@@ -232,7 +233,7 @@ class SharedOutputs:
     TokenIndexes of about cap_tokens / chunks tokens; the oldest is dropped whole."""
 
     def __init__(self, cap_tokens: int = 1 << 20, chunks: int = 4, min_match: int = 2,
-                 max_match: int = 32, live_max: int = 0) -> None:
+                 max_match: int = MAX_MATCH, live_max: int = 0) -> None:
         self.cap, self.chunk_cap = cap_tokens, max(1, cap_tokens // max(1, chunks))
         self._index_args = dict(min_match=min_match, max_match=max_match, live_max=live_max)
         self.chunks: Deque[TokenIndex] = deque()
@@ -260,7 +261,7 @@ class SuffixDrafter:
     argument copies it; never output) and the server's shared outputs (`finish` adds this one's)."""
 
     def __init__(self, prompt: Sequence[int], shared: Optional[SharedOutputs] = None, *, view: Sequence[int] = (),
-                 min_match: int = 2, max_match: int = 32, spec_factor: float = 1.0,
+                 min_match: int = 2, max_match: int = MAX_MATCH, spec_factor: float = 1.0,
                  spec_offset: float = 0.0, min_prob: float = 0.1, live_max: int = 1024) -> None:
         self.index = TokenIndex(prompt, min_match, max_match, live_max)
         self.view = TokenIndex(view, min_match, max_match, live_max=0) if len(view) else None

@@ -82,7 +82,7 @@ class HybridProposer(Proposer):
             proposals = [self.suffix.proposal(r, min(cap, self.reach.get(r.req.id))) if r.req.id in looked
                          else _NONE for r in rows]
             self.plan_ = choose(k, rows, proposals, policy, self.calibration, cap, self.shape_stable(),
-                                self.reach.whole, self.ledger)
+                                self.reach, self.ledger)
             self.lookups.update(looked, set(self.plan_.suffix))
         self._charge(rows)
         return self.plan_.depth

@@ -33,6 +33,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from ..limits import MAX_DRAFT_DEPTH
 from ..policy.base import kind_of
 from ..state import acceptance_classes
+from ..suffix_index import MAX_MATCH
 from .fairness import Ledger, fair
 
 # The relative cost of each draft in a cycle where the policy has measured none: c(K) =
@@ -115,30 +116,43 @@ class Reach:
     """How long a suffix draft each row may get: FIRST_REACH tokens at first, twice as many
     after a draft kept whole, half as many (at least MIN_REACH) after one rejected at its first
     token. Where a verify costs about a token a draft (a CPU), a long draft that fails costs
-    many steps, and whether the model copies this text is known only once it has."""
+    many steps, and whether the model copies this text is known only once it has. Also each
+    row's run: the tokens its suffix drafts have had kept whole in a row (`evidence`)."""
 
     def __init__(self):
         self.of: Dict[int, int] = {}  # request id -> its reach
         self.whole: Dict[int, bool] = {}  # request id -> whether its last suffix draft was kept whole
+        self.run: Dict[int, int] = {}  # request id -> tokens of its suffix cycles kept whole in a row
 
     def get(self, request_id: int) -> int:
         return self.of.get(request_id, FIRST_REACH)
 
+    def evidence(self, request_id: int, match_len: int) -> int:
+        """How many tokens of copied text a row's proposal rests on: its match's length, and
+        where the match fills the index's bound (the text matches further back than the index
+        looks), the row's run if longer. A file copied for 200 tokens is better evidence that
+        the next 32 follow than the 32-token match alone says (`run_chance`)."""
+        if match_len < MAX_MATCH:
+            return match_len
+        return max(match_len, self.run.get(request_id, 0))
+
     def forget_absent(self, present: set) -> None:
-        forget_absent(self.of, present)
-        forget_absent(self.whole, present)
+        for table in (self.of, self.whole, self.run):
+            forget_absent(table, present)
 
     def update(self, rows: Sequence, plan: CyclePlan, consumed: List[int]) -> None:
         for row, n in zip(rows, consumed):
             probs = plan.suffix.get(row.req.id)
             if probs:
-                reach, whole = self.get(row.req.id), n - 1 >= len(probs)
-                self.whole[row.req.id] = whole
+                rid = row.req.id
+                reach, whole = self.get(rid), n - 1 >= len(probs)
+                self.whole[rid] = whole
+                self.run[rid] = self.run.get(rid, 0) + n if whole else 0
                 if whole:
                     reach *= 2
                 elif n == 1:
                     reach = max(MIN_REACH, reach // 2)
-                self.of[row.req.id] = reach
+                self.of[rid] = reach
 
 
 class Lookups:
@@ -183,8 +197,8 @@ def expected(probs: Sequence[float], f: float, K: int) -> float:
 
 
 def run_chance(match_len: int) -> float:
-    """The chance that a row whose last `match_len` tokens repeat earlier text repeats the next
-    one too, by the rule of succession (m successes: (m + 1) / (m + 2)). A model copying a
+    """The chance that a row whose last `match_len` tokens repeat earlier text (Reach.evidence)
+    repeats the next one too, by the rule of succession (m successes: (m + 1) / (m + 2)). A model copying a
     file keeps copying until the text it writes changes; while the suffix was not taken (the
     head's drafts promised more) the calibration learns nothing of that run, and the head
     would keep drafting a few tokens a cycle where a long draft takes many."""
@@ -222,19 +236,20 @@ def _depths(k: int, proposals: Sequence, cap: int, shape_stable: bool) -> List[i
 
 
 def choose(k: int, rows: Sequence, proposals: Sequence, policy, calibration: Calibration, cap: int,
-           shape_stable: bool = False, streaks: Optional[Dict[int, bool]] = None,
+           shape_stable: bool = False, reach: Optional[Reach] = None,
            ledger: Optional[Ledger] = None) -> CyclePlan:
     """The plan of one cycle (see the module docstring); proposals[b]: row b's suffix_index.Draft;
-    streaks: request id -> whether its last suffix draft was kept whole (Reach.whole); ledger:
+    reach: the rows' streaks (whether a row's last suffix draft was kept whole) and runs; ledger:
     the requests' rates so far (fairness.Ledger)."""
     proposals = [p if p.match_len >= MIN_MATCH else p._replace(tokens=[], probs=[]) for p in proposals]
     if not any(p.tokens for p in proposals):
         return head_only(k)
     classes = acceptance_classes(rows)
     e_head = _head_tokens(policy, classes)
-    streaks = streaks or {}
-    keys = [(kind_of(c), streaks.get(r.req.id, False)) for c, r in zip(classes, rows)]
-    f = [max(calibration.factor(key), run_chance(p.match_len)) for key, p in zip(keys, proposals)]
+    reach = reach or Reach()
+    keys = [(kind_of(c), reach.whole.get(r.req.id, False)) for c, r in zip(classes, rows)]
+    f = [max(calibration.factor(key), run_chance(reach.evidence(r.req.id, p.match_len)))
+         for key, r, p in zip(keys, rows, proposals)]
     depths = _depths(k, proposals, cap, shape_stable)
     costs, step = _costs(policy, len(rows), classes, depths, k, len(e_head) - 1)
     best: Optional[tuple] = None
