@@ -237,8 +237,7 @@ class SharedOutputs:
         self.cap, self.chunk_cap = cap_tokens, max(1, cap_tokens // max(1, chunks))
         self._index_args = dict(min_match=min_match, max_match=max_match, live_max=live_max)
         self.chunks: Deque[TokenIndex] = deque()
-        # What it holds, counted after each `add`: plain ints, so another thread (a /metrics
-        # scrape) reads them without walking chunks the engine thread is changing.
+        # Counted after each `add`: plain ints that a /metrics scrape reads from another thread.
         self.tokens = self.nbytes = 0
 
     def add(self, output: Sequence[int]) -> None:
