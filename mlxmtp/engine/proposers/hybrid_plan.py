@@ -6,7 +6,8 @@ E_s(K) = 1 + sum over i < K of min(1, f^(i+1) * probs[i]) from a cycle of depth 
 probs[i] is the suffix index's estimate that its first i + 1 tokens are kept and f scales
 each token's chance: by what rows of the same acceptance class have actually kept
 (`Calibration`), or, where higher, by the chance that a run of m tokens copied goes on
-(`run_chance`). A cycle of depth K whose head rows draft j yields, per unit of cost,
+(`run_chance`; m: the match, or the row's run where the match fills the index's bound,
+`Reach.evidence`). A cycle of depth K whose head rows draft j yields, per unit of cost,
 
     rate(K, j) = sum over rows of max(E_h(j), E_s(K)) / (c(K) + extra(j) * step),
 
