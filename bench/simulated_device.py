@@ -27,6 +27,7 @@ size is taken not to change them (the demo is launch-bound on a GPU).
     python bench/simulated_device.py --suffix --workload edit --depths 3 --max-tokens 200
     python bench/simulated_device.py --suffix --workload agents --concurrency 4 --depths 3 --rounds 3
     python bench/simulated_device.py --suffix --workload agents --concurrency 8 --depths 3 --seed 0,1,2
+    python bench/simulated_device.py --suffix --workload agents --concurrency 8 --depths 3 --by-kind
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ DEVICES = {
 class DeviceClock:
     """The virtual clock and what each cycle advances it by."""
 
-    def __init__(self, device: dict, noise: float, seed: int, calibration_noise: Optional[float] = None):
+    def __init__(self, device: dict, noise: float, seed: int, calibration_noise: Optional[float] = None,
+                 by_kind: bool = False):
         self.device, self.noise, self.draw = device, noise, random.Random(seed)
+        self.kinds = CycleKinds() if by_kind else None  # `--by-kind`
         # The start-up calibration's own noise: on a GPU its first cycles of each shape also
         # build graphs and compile kernels.
         self.calibration_noise = noise if calibration_noise is None else calibration_noise
@@ -100,6 +103,7 @@ class DeviceClock:
         dt = self.cycle(rec.k, head_steps, switched)
         self.now += dt
         self.decode_seconds += dt
+        self.last_cost = dt / self.device["plain_seconds"]
 
     def calibration(self, pieces, batch_size, max_depth, shape_stable, pipelined=False, kinds=("greedy", "sampled"),
                     progress=None):
@@ -115,6 +119,27 @@ class DeviceClock:
         return {kind: {k: seconds[kind, k] for k in range(max_depth + 1)} for kind in kinds}
 
 
+class CycleKinds:
+    """`--by-kind`: a setting's cycles by kind (plain, the head's, suffix cycles by the head's depth
+    in them) and batch size, with their cost in plain cycles and the tokens they made: where its
+    time went (a plain cycle makes a token a row for a cost of 1)."""
+
+    def __init__(self):
+        self.of: dict = {}  # (kind, rows) -> [cycles, cost, tokens]
+
+    def add(self, rec, kept, cost: float) -> None:
+        heads = [n for source, n in rec.drafted if source == "mtp"]
+        suffix = any(source == "suffix" for source, _ in rec.drafted)
+        kind = "plain" if rec.k == 0 else f"suffix, head {max(heads, default=0)}" if suffix else "head"
+        tally = self.of.setdefault((kind, len(rec.rows)), [0, 0.0, 0])
+        tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + cost, tally[2] + sum(kept) + len(kept)
+
+    def print(self, label: str) -> None:
+        print(f"  {label}: cycles by kind and rows (count, cost in plain cycles, tokens per cost)")
+        for (kind, rows), (n, cost, tokens) in sorted(self.of.items(), key=lambda item: (item[0][1], item[0][0])):
+            print(f"    {rows} rows  {kind:15s} {n:5d}  {cost:7.1f}  {tokens / cost:6.2f}")
+
+
 @contextmanager
 def simulated(clock: DeviceClock):
     """The engine's clocks and its calibration read `clock` inside the block."""
@@ -123,9 +148,11 @@ def simulated(clock: DeviceClock):
              timing.CycleClock.finish)
     original_finish = timing.CycleClock.finish
 
-    def finish(self, rec, *args, **kwargs):
+    def finish(self, rec, policy, kept, *args, **kwargs):
         clock.advance(rec, self.switched)
-        return original_finish(self, rec, *args, **kwargs)
+        if clock.kinds is not None:
+            clock.kinds.add(rec, kept, clock.last_cost)
+        return original_finish(self, rec, policy, kept, *args, **kwargs)
 
     timing.time = cycle_module.time = batch_module.time = fake_time
     calibration.measure_cycle_costs = clock.calibration
@@ -170,7 +197,7 @@ def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: fl
     """(per-round rates, the engine's depth counts, per-round waits of the requests) of one
     setting: depth 0 (MTP off), a fixed depth, or "adaptive", on one engine for all rounds (as a
     server keeps one)."""
-    clock = DeviceClock(device, args.noise, seed, args.calibration_noise)
+    clock = DeviceClock(device, args.noise, seed, args.calibration_noise, getattr(args, "by_kind", False))
     with simulated(clock):
         engine = BatchGenerator(model, tok, EngineConfig(
             enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth, suffix_drafts=suffix))
@@ -181,6 +208,8 @@ def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: fl
             group = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
             waits.append([])
             rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1]))
+    if clock.kinds is not None:
+        clock.kinds.print("MTP off" if depth == 0 else f"k={depth}" if depth != "adaptive" else "adaptive")
     return rates, dict(depths) if depth == "adaptive" else {}, waits
 
 
@@ -199,6 +228,8 @@ def main():
     ap.add_argument("--workload", choices=["code", "repeat", "rename", "edit", "agents"], default="code",
                     help="the prompts: bench/decode.py's workloads, or bench/batch.py's agents (code prompts "
                          "and edit and rename tasks in turn)")
+    ap.add_argument("--by-kind", action="store_true", help="each setting's cycles by kind and batch size: "
+                                                             "count, cost, tokens per cost")
     ap.add_argument("--seed", default="0", help="the noise's seed; several (0,1,2): each run, then adaptive's "
                                                   "standing over them (a run's moves by several percent)")
     args = ap.parse_args()

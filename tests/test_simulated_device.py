@@ -81,6 +81,21 @@ def test_each_requests_wait_is_kept_in_the_order_of_its_prompt(sim):
     assert waits[0][0] == pytest.approx(waits[0][1]) and waits[0][0] > 0
 
 
+def test_by_kind_says_where_a_settings_cost_went(sim, capsys):
+    """`--by-kind`: each setting's cycles by kind and batch size, their cost in plain cycles and
+    tokens per cost; MTP off decoding two rows makes two tokens per plain cycle's cost."""
+    model, tok = load(str(demo_model_path()))
+    args = type("Args", (), dict(noise=0.0, calibration_noise=None, rounds=1, concurrency=2, max_tokens=6,
+                                 by_kind=True))()
+    prompts = [tok.encode("def main(argv):\n    "), tok.encode("class Stack:\n    def __init__(self):\n")]
+    sim.run_setting(model, tok, sim.DEVICES["h100"], 0, False, prompts, args, 0.0, 0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].strip().startswith("MTP off: cycles by kind")
+    rows, _, kind, cycles, cost, per_cost = lines[1].split()  # "2 rows  plain  5  5.0  2.00"
+    assert (rows, kind, int(cycles)) == ("2", "plain", 5) and float(cost) == pytest.approx(5.0)
+    assert float(per_cost) == pytest.approx(2.0) and len(lines) == 2
+
+
 def test_adaptive_is_judged_over_several_seeds(sim, capsys):
     """A run's standing moves with the noise's draws (the policy's choices follow them):
     `--seed 0,1,2` reports each run, then adaptive's mean and lowest over the best fixed
