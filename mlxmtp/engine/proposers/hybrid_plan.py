@@ -199,10 +199,10 @@ def expected(probs: Sequence[float], f: float, K: int) -> float:
 
 def run_chance(match_len: int) -> float:
     """The chance that a row whose last `match_len` tokens repeat earlier text (Reach.evidence)
-    repeats the next one too, by the rule of succession (m successes: (m + 1) / (m + 2)). A model copying a
-    file keeps copying until the text it writes changes; while the suffix was not taken (the
-    head's drafts promised more) the calibration learns nothing of that run, and the head
-    would keep drafting a few tokens a cycle where a long draft takes many."""
+    repeats the next one too, by the rule of succession (m successes: (m + 1) / (m + 2)). A
+    model copying a file keeps copying until the text it writes changes; while the suffix was
+    not taken (the head's drafts promised more) the calibration learns nothing of that run,
+    and the head would keep drafting a few tokens a cycle where a long draft takes many."""
     return (match_len + 1) / (match_len + 2)
 
 
