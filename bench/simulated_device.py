@@ -134,7 +134,7 @@ class CycleKinds:
         tally = self.of.setdefault((kind, len(rec.rows)), [0, 0.0, 0])
         tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + cost, tally[2] + sum(kept) + len(kept)
 
-    def print(self, label: str) -> None:
+    def show(self, label: str) -> None:
         print(f"  {label}: cycles by kind and rows (count, cost in plain cycles, tokens per cost)")
         for (kind, rows), (n, cost, tokens) in sorted(self.of.items(), key=lambda item: (item[0][1], item[0][0])):
             print(f"    {rows} rows  {kind:15s} {n:5d}  {cost:7.1f}  {tokens / cost:6.2f}")
@@ -209,7 +209,7 @@ def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: fl
             waits.append([])
             rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1]))
     if clock.kinds is not None:
-        clock.kinds.print("MTP off" if depth == 0 else f"k={depth}" if depth != "adaptive" else "adaptive")
+        clock.kinds.show("MTP off" if depth == 0 else f"k={depth}" if depth != "adaptive" else "adaptive")
     return rates, dict(depths) if depth == "adaptive" else {}, waits
 
 
