@@ -98,12 +98,12 @@ class DeviceClock:
         sigma = self.noise if noise is None else noise
         return plain * self.device["plain_seconds"] * math.exp(self.draw.gauss(0.0, sigma))
 
-    def advance(self, rec, switched: bool) -> None:
-        head_steps = max((n for source, n in rec.drafted if source == "mtp"), default=0) if rec.drafted else rec.k
-        dt = self.cycle(rec.k, head_steps, switched)
+    def advance(self, rec, switched: bool) -> float:
+        """Advances the clock by cycle `rec`; returns its cost in plain cycles."""
+        dt = self.cycle(rec.k, head_steps(rec), switched)
         self.now += dt
         self.decode_seconds += dt
-        self.last_cost = dt / self.device["plain_seconds"]
+        return dt / self.device["plain_seconds"]
 
     def calibration(self, pieces, batch_size, max_depth, shape_stable, pipelined=False, kinds=("greedy", "sampled"),
                     progress=None):
@@ -119,6 +119,12 @@ class DeviceClock:
         return {kind: {k: seconds[kind, k] for k in range(max_depth + 1)} for kind in kinds}
 
 
+def head_steps(rec) -> int:
+    """The drafts the head chained in cycle `rec` (its deepest row's; a cycle with no per-row
+    sources is the head's own, of depth k)."""
+    return max((n for source, n in rec.drafted if source == "mtp"), default=0) if rec.drafted else rec.k
+
+
 class CycleKinds:
     """`--by-kind`: a setting's cycles by kind (plain, the head's, suffix cycles by the head's depth
     in them) and batch size, with their cost in plain cycles and the tokens they made: where its
@@ -128,9 +134,8 @@ class CycleKinds:
         self.of: dict = {}  # (kind, rows) -> [cycles, cost, tokens]
 
     def add(self, rec, kept, cost: float) -> None:
-        heads = [n for source, n in rec.drafted if source == "mtp"]
         suffix = any(source == "suffix" for source, _ in rec.drafted)
-        kind = "plain" if rec.k == 0 else f"suffix, head {max(heads, default=0)}" if suffix else "head"
+        kind = "plain" if rec.k == 0 else f"suffix, head {head_steps(rec)}" if suffix else "head"
         tally = self.of.setdefault((kind, len(rec.rows)), [0, 0.0, 0])
         tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + cost, tally[2] + sum(kept) + len(kept)
 
@@ -149,9 +154,9 @@ def simulated(clock: DeviceClock):
     original_finish = timing.CycleClock.finish
 
     def finish(self, rec, policy, kept, *args, **kwargs):
-        clock.advance(rec, self.switched)
+        cost = clock.advance(rec, self.switched)
         if clock.kinds is not None:
-            clock.kinds.add(rec, kept, clock.last_cost)
+            clock.kinds.add(rec, kept, cost)
         return original_finish(self, rec, policy, kept, *args, **kwargs)
 
     timing.time = cycle_module.time = batch_module.time = fake_time
