@@ -3,12 +3,14 @@ latency (p50/p95) at concurrency 1, 4, 8, 16, MTP off vs on (adaptive) and, with
 `--depths`, fixed draft depths, in ONE run.
 
 Requests are driven through the same BatchGenerator the server runs; all arrive at
-once. As the server does, the depth policy's costs are calibrated for one row before
-anything is timed; other batch sizes learn theirs while they decode. Each round runs MTP
-off and on back to back (in alternating order); the table gives medians over rounds and
-the range of the per-round ratio to MTP off; with `--depths`, "on/best fixed" is adaptive's
-throughput over the best of MTP off and the fixed depths in the same round. Only ratios
-between settings of the same run are meaningful.
+once, or with `--loop N` N per slot, each slot's next request sent when its last is answered
+(several agents, each waiting on its answer: the batch stays full until the round's end). As
+the server does, the depth policy's costs are calibrated for one row before anything is
+timed; other batch sizes learn theirs while they decode. Each round runs MTP off and on back
+to back (in alternating order); the table gives medians over rounds and the range of the
+per-round ratio to MTP off; with `--depths`, "on/best fixed" is adaptive's throughput over
+the best of MTP off and the fixed depths in the same round. Only ratios between settings of
+the same run are meaningful.
 
 Then, for the latency of several agents at once: the longest gap in a running stream
 while 1, 3 or 7 requests join it (their prefills run between its cycles).
@@ -17,6 +19,7 @@ while 1, 3 or 7 requests join it (their prefills run between its cycles).
     python bench/batch.py --concurrency 4,8 --depths 1,2,3 --rounds 4 --no-joins
     python bench/batch.py --concurrency 4,8 --suffix --workload mix --no-joins
     python bench/batch.py --concurrency 4,8 --suffix --workload agents --max-tokens 300 --no-joins
+    python bench/batch.py --concurrency 4 --loop 2 --suffix --workload agents --depths 3 --no-joins
 
 `--temp`: every request samples at that temperature, seeded as the server seeds a request with a
 seed (`reproducible`): every setting writes the same tokens.
@@ -75,16 +78,25 @@ def prompts_of(model, tok, workload: str, max_tokens: int):
     return out
 
 
-def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, suffix=False):
+def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, suffix=False, loop=1):
+    """One setting's round: n requests at once, or with `loop` > 1 n * loop requests n at a time,
+    each answer followed by the next request (agents waiting on their answers); times per
+    request from its submission."""
     eng = BatchGenerator(model, tok, EngineConfig(enable_mtp=mtp, num_draft=num_draft, max_batch=max(n, 1),
                                                   suffix_drafts=suffix))
     prompts = prompts or [tok.encode(p) for p in PROMPTS]
     t0 = time.perf_counter()
-    first, last, gaps, counts = {}, {}, [], {}
-    ids = []
-    for i in range(n):
-        ids.append(eng.submit(Request(prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
-                                      params=SamplingParams(temperature=temp, seed=i, reproducible=True))))
+    first, last, gaps, counts, sent = {}, {}, [], {}, {}
+    ids, queue = [], [Request(prompt=prompts[i % len(prompts)], max_tokens=max_tokens,
+                              params=SamplingParams(temperature=temp, seed=i, reproducible=True))
+                      for i in range(n * loop)][::-1]
+
+    def submit():
+        ids.append(eng.submit(queue.pop()))
+        sent[ids[-1]] = time.perf_counter() - t0
+
+    for _ in range(n):
+        submit()
     batch_sizes, stats = [], {}
     while eng.has_work:
         evs = eng.step()
@@ -95,7 +107,7 @@ def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, 
                 continue
             rid = ev.request_id
             if rid not in first:
-                first[rid] = now - t0
+                first[rid] = now - t0 - sent[rid]
             else:
                 # tokens arriving together in one cycle share the gap
                 gaps += [(now - last[rid]) / len(ev.token_ids)] * len(ev.token_ids)
@@ -103,9 +115,11 @@ def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, 
             counts[rid] = counts.get(rid, 0) + len(ev.token_ids)
             if ev.finish_reason:
                 stats[rid] = ev.stats.as_dict()
+                if queue:
+                    submit()
     wall = time.perf_counter() - t0
     total = sum(counts.values())
-    per_req = [counts[r] / (last[r] - t0) for r in ids]
+    per_req = [counts[r] / (last[r] - t0 - sent[r]) for r in ids]
     acc = [s["acceptance"] for s in stats.values()]
     return {
         "agg_tps": total / wall,
@@ -114,6 +128,7 @@ def run(model, tok, n, max_tokens, mtp, temp=0.0, num_draft=None, prompts=None, 
         "itl_p50": pct(gaps, 0.5), "itl_p95": pct(gaps, 0.95),
         "acceptance": statistics.mean(acc) if acc else 0.0,
         "mean_batch": statistics.mean(batch_sizes) if batch_sizes else 0,
+        "answered": len(stats),
         "depth": eng.last_depth if mtp else 0,
     }
 
@@ -148,6 +163,9 @@ def main():
     ap.add_argument("--depths", default="", help="fixed draft depths to run beside MTP off and adaptive, e.g. 1,2,3")
     ap.add_argument("--no-joins", action="store_true", help="skip the join-latency part")
     ap.add_argument("--suffix", action="store_true", help="add adaptive with suffix drafts (sfx), as serve runs")
+    ap.add_argument("--loop", type=int, default=1,
+                    help="requests per slot a round: each of the --concurrency requests in flight is followed by "
+                         "the next as soon as it is answered, as agents send theirs (1: all at once)")
     ap.add_argument("--workload", choices=("plain", "mix", "agents"), default="plain",
                     help="mix: every other request asks again for the model's answer to its prompt; "
                          "agents: every other request is a copy or edit task on a held-out file")
@@ -159,7 +177,7 @@ def main():
         BatchGenerator(model, tok, EngineConfig(suffix_drafts=True)).calibrate(1)
     run(model, tok, 2, 10, True)  # warm-up
     print(f"model: {args.model or 'demo'}   temp={args.temp}   max_tokens={args.max_tokens}   "
-          f"rounds={args.rounds}   workload={args.workload} (medians)")
+          f"rounds={args.rounds}   workload={args.workload}   loop={args.loop} (medians)")
     print(f"{'conc':>4} {'MTP':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT p50':>9} {'p95':>7} {'ITL p50 ms':>10} "
           f"{'p95':>7} {'accept':>7} {'batch':>6} {'on/off':>7} {'range':>10}")
     settings = {"off": (False, None, False), "on": (True, None, False)}
@@ -172,7 +190,7 @@ def main():
             order = list(settings) if r % 2 == 0 else list(reversed(settings))
             for name in order:
                 mtp, k, suffix = settings[name]
-                res[name].append(run(model, tok, n, args.max_tokens, mtp, args.temp, k, prompts, suffix))
+                res[name].append(run(model, tok, n, args.max_tokens, mtp, args.temp, k, prompts, suffix, args.loop))
         _print_rows(n, res)
     if args.no_joins:
         return

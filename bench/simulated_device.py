@@ -13,13 +13,18 @@ draws the same costs, in rounds, and takes their medians as the engine's does. T
 is decode tokens (the prefill's first token left out) per virtual second, so settings
 compare on the device's costs with the text this machine decodes; with several requests
 at once, also each request's wait for its answer against MTP off's (the mean, and the
-request worst off).
+request worst off). One engine serves every round, as a server would, but each round starts
+with its index of finished outputs empty (`forget_outputs`): the rounds ask the same few
+prompts again. `--loop N` sends each round's requests `--concurrency` at a time, each answer
+followed by the next request, as agents waiting on their answers do.
 
 A cycle of depth k costs verify(k + 1) + k * head_step plain cycles, plus one head step for
 the first drafting cycle after plain decoding (the head's catch-up); a suffix cycle of
 depth K costs verify(K + 1) plus the head steps its head rows chained. Verify costs past
 the measured lengths grow by `per_token` a token (a guess, marked as such below); batch
-size is taken not to change them (the demo is launch-bound on a GPU).
+size is taken not to change them (the demo is launch-bound on a GPU). `--device
+apple-27b-estimate` is not a measurement: a large model's costs on an Apple GPU as bandwidth
+and reported speed-ups suggest (`DEVICES`), where drafting is cheap.
 
     python bench/simulated_device.py                          # H100, greedy and 0.6, code
     python bench/simulated_device.py --temps 0 --rounds 6 --noise 0.05
@@ -28,6 +33,8 @@ size is taken not to change them (the demo is launch-bound on a GPU).
     python bench/simulated_device.py --suffix --workload agents --concurrency 4 --depths 3 --rounds 3
     python bench/simulated_device.py --suffix --workload agents --concurrency 8 --depths 3 --seed 0,1,2
     python bench/simulated_device.py --suffix --workload agents --concurrency 8 --depths 3 --by-kind
+    python bench/simulated_device.py --suffix --workload agents --concurrency 4 --loop 2 --depths 3
+    python bench/simulated_device.py --device apple-27b-estimate --depths 3,4 --seed 0,1
 """
 
 from __future__ import annotations
@@ -65,9 +72,18 @@ from mlxmtp.models.load import load  # noqa: E402
 # at k = 0..4: each draft adds 0.37-0.38 plain cycles beyond its verify). `per_token`, what each
 # token past T = 5 adds to a verify (suffix cycles of 8-32 drafts), is a guess: the slope from
 # T = 4 to 5 was 0.20, and a longer verify fills the device better.
+# apple-27b-estimate: not measured (no Apple GPU here), an estimate of a large model on an
+# Apple GPU, where decoding is bandwidth-bound: a 4-bit 27B model reads ~15 GB a step, and each
+# token more in a verify adds its compute, ~6% of a step; the head (one decoder layer and the
+# lm_head) reads ~6% of the model's weights. So a k = 3 cycle costs 1.18 + 3 x 0.06 = 1.36 plain
+# cycles, as MTPLX's reported 28 -> 63 tok/s at depth 3 on an M5 Max implies (2.24x at ~3 tokens
+# a cycle); a plain step of 28 tok/s. A check of the policy where drafting is cheap, not a
+# forecast of speed.
 DEVICES = {
     "h100": dict(verify={1: 1.0, 2: 1.54, 3: 1.74, 4: 1.82, 5: 2.02}, per_token=0.15, head_step=0.375,
                  plain_seconds=0.00294),
+    "apple-27b-estimate": dict(verify={1: 1.0, 2: 1.06, 3: 1.12, 4: 1.18, 5: 1.24}, per_token=0.06,
+                               head_step=0.06, plain_seconds=1 / 28),
 }
 
 
@@ -177,16 +193,24 @@ def _count(counts: Counter, stats) -> None:
 
 
 def decode_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: float, seed: int,
-                depths: Counter, waits: list) -> float:
+                depths: Counter, waits: list, slots: Optional[int] = None) -> float:
     """Decode tokens per virtual second of `prompts` submitted together to `engine` (one, or a
-    batch; each request's cycles' depths added to `depths`, the virtual seconds until each one
-    finished to `waits`, in the order of `prompts`)."""
+    batch), or `slots` at a time, each finished request followed by the next (`--loop`); each
+    request's cycles' depths added to `depths`, the virtual seconds from its submission until it
+    finished to `waits`, in the order of `prompts`."""
     start, tokens = clock.decode_seconds, -len(prompts)
     reqs = [Request(prompt=list(p), max_tokens=max_tokens,
                     params=SamplingParams(temperature=temp, seed=seed + i, reproducible=True))
             for i, p in enumerate(prompts)]
-    for req in reqs:
+    pending, submitted = list(reversed(reqs)), {}
+
+    def submit():
+        req = pending.pop()
         engine.submit(req)
+        submitted[req.id] = clock.decode_seconds
+
+    for _ in range(min(slots or len(reqs), len(reqs))):
+        submit()
     index = {req.id: i for i, req in enumerate(reqs)}
     waits.extend([0.0] * len(reqs))
     while engine.has_work:
@@ -194,8 +218,21 @@ def decode_rate(engine, clock: DeviceClock, prompts, max_tokens: int, temp: floa
             tokens += len(ev.token_ids)
             _count(depths, ev.stats)
             if ev.finish_reason:
-                waits[index[ev.request_id]] = clock.decode_seconds - start
+                waits[index[ev.request_id]] = clock.decode_seconds - submitted[ev.request_id]
+                if pending:
+                    submit()
     return tokens / max(clock.decode_seconds - start, 1e-12)
+
+
+def forget_outputs(engine) -> None:
+    """Empties the engine's index of finished requests' outputs (suffix_index.SharedOutputs):
+    a round asks the prompts of an earlier one again (bench/batch.py's agents workload has
+    eight), and a greedy answer would be drafted whole from the earlier answer, where each
+    agent's request is new."""
+    shared = getattr(engine.proposer, "shared_index", None)
+    if shared is not None:
+        shared.chunks.clear()
+        shared.tokens = shared.nbytes = 0
 
 
 def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: float, seed: int):
@@ -210,9 +247,12 @@ def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: fl
             engine.calibrate(1)
         rates, depths, waits = [], Counter(), []
         for r in range(args.rounds):
-            group = [prompts[(r * args.concurrency + i) % len(prompts)] for i in range(args.concurrency)]
+            forget_outputs(engine)
+            n = args.concurrency * args.loop
+            group = [prompts[(r * n + i) % len(prompts)] for i in range(n)]
             waits.append([])
-            rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1]))
+            rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1],
+                                     args.concurrency))
     if clock.kinds is not None:
         clock.kinds.show("MTP off" if depth == 0 else f"k={depth}" if depth != "adaptive" else "adaptive")
     return rates, dict(depths) if depth == "adaptive" else {}, waits
@@ -226,6 +266,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=150)
     ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together each round")
+    ap.add_argument("--loop", type=int, default=1,
+                    help="requests per slot a round: each of the --concurrency requests in flight is followed "
+                         "by the next as soon as it finishes, as agents send their next request on an answer "
+                         "(1: all at once)")
     ap.add_argument("--noise", type=float, default=0.1, help="lognormal sigma of each cycle's cost")
     ap.add_argument("--calibration-noise", type=float, default=None,
                     help="lognormal sigma of the start-up calibration's costs (default: --noise)")
@@ -243,6 +287,8 @@ def main():
     ref = mlx_lm.load(path)[0] if args.workload == "repeat" else None
     prompts = (prompts_of(model, tok, "agents", args.max_tokens) if args.workload == "agents"
                else workload_prompts(args.workload, ref, tok, args.max_tokens, args.rounds))
+    if args.concurrency * args.loop > len(prompts):  # a prompt asked twice in a round drafts from its first answer
+        ap.error(f"--concurrency x --loop is over the workload's {len(prompts)} prompts")
     device = DEVICES[args.device]
     settings = [0, *[int(d) for d in args.depths.split(",") if d], "adaptive"]
     seeds = [int(s) for s in args.seed.split(",")]
@@ -263,7 +309,8 @@ def report(args, temp: float, seed: int, settings, results) -> dict:
     the request worst off. Returns adaptive's standing: its total over the best fixed setting's,
     and its mean and worst wait against MTP off's (None with one request at a time)."""
     off = results[0][0]
-    print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}, "
+    print(f"\n{args.device} costs, demo, {args.workload}, temp={temp}, concurrency={args.concurrency}"
+          f"{f', loop={args.loop}' if args.loop > 1 else ''}, "
           f"noise={args.noise}, rounds={args.rounds}, seed={seed}{', suffix' if args.suffix else ''}: "
           "decode rate over MTP off")
     for d in settings:

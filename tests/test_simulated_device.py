@@ -30,6 +30,15 @@ def test_a_cycle_costs_its_verify_and_the_heads_steps(sim):
     assert clock.cycle(16, 0, False) / plain == pytest.approx(2.02 + 0.15 * 12)  # a suffix cycle, no head
 
 
+def test_the_apple_estimate_prices_drafting_cheap_as_documented(sim):
+    """`apple-27b-estimate`: a k = 3 cycle at 1.36 plain cycles (MTPLX's reported 2.24x at ~3
+    tokens a cycle), a 33-token suffix verify under three."""
+    clock = sim.DeviceClock(sim.DEVICES["apple-27b-estimate"], noise=0.0, seed=0)
+    plain = clock.cycle(0, 0, False)
+    assert clock.cycle(3, 3, False) / plain == pytest.approx(1.36)
+    assert clock.cycle(32, 0, False) / plain == pytest.approx(1.24 + 28 * 0.06)
+
+
 def test_the_calibration_is_as_noisy_as_the_engines_not_one_cycle(sim):
     """The engine's calibration takes medians over its rounds (engine/policy/calibration.py): the
     simulated one too, so its priors are no noisier than a device's would be."""
@@ -74,11 +83,40 @@ def test_each_requests_wait_is_kept_in_the_order_of_its_prompt(sim):
     MTP off's (the request worst off by suffix drafts for others' rows shows there). Two
     prompts decoded plainly to the same length finish in the same cycle."""
     model, tok = load(str(demo_model_path()))
-    args = type("Args", (), dict(noise=0.0, calibration_noise=None, rounds=1, concurrency=2, max_tokens=6))()
+    args = type("Args", (), dict(noise=0.0, calibration_noise=None, rounds=1, concurrency=2, max_tokens=6, loop=1))()
     prompts = [tok.encode("def main(argv):\n    "), tok.encode("class Stack:\n    def __init__(self):\n")]
     rates, _, waits = sim.run_setting(model, tok, sim.DEVICES["h100"], 0, False, prompts, args, 0.0, 0)
     assert len(waits) == 1 and len(waits[0]) == 2 and rates[0] > 0
     assert waits[0][0] == pytest.approx(waits[0][1]) and waits[0][0] > 0
+
+
+def test_a_round_drafts_nothing_from_an_earlier_rounds_answer(sim):
+    """Rounds ask the same prompts again (the agents workload has eight): a greedy answer would
+    be drafted whole from the index of earlier outputs, where each agent's request is new. So each
+    round starts with that index empty, and a prompt asked again decodes as it did the first time."""
+    model, tok = load(str(demo_model_path()))
+    args = type("Args", (), dict(noise=0.0, calibration_noise=None, rounds=2, concurrency=1, max_tokens=40,
+                                 loop=1))()
+    prompts = [tok.encode("class Stack:\n    def __init__(self):\n")]
+    _, _, waits = sim.run_setting(model, tok, sim.DEVICES["h100"], 3, True, prompts, args, 0.0, 0)
+    assert waits[1][0] == pytest.approx(waits[0][0], rel=0.05)
+
+
+def test_a_loop_sends_each_slots_next_request_when_its_last_is_answered(sim):
+    """`--loop`: requests `concurrency` at a time, each answer followed by the next request (agents
+    waiting on their answers); each one's wait counts from its submission."""
+    model, tok = load(str(demo_model_path()))
+    prompts = [tok.encode("def main(argv):\n    "), tok.encode("class Stack:\n    def __init__(self):\n")]
+    clock = sim.DeviceClock(sim.DEVICES["h100"], noise=0.0, seed=0)
+    with sim.simulated(clock):
+        engine = BatchGenerator(model, tok, EngineConfig(enable_mtp=False))
+        waits = {}
+        for slots in (1, 2):
+            waits[slots] = []
+            rate = sim.decode_rate(engine, clock, prompts, 6, 0.0, 0, sim.Counter(), waits[slots], slots)
+            cycles = 10 if slots == 1 else 5  # 5 plain cycles a request after its prefill's token
+            assert rate * clock.device["plain_seconds"] == pytest.approx(10 / cycles)
+    assert waits[1] == pytest.approx(waits[2])  # one at a time: each waits as long as in a batch
 
 
 def test_by_kind_says_where_a_settings_cost_went(sim, capsys):
@@ -86,7 +124,7 @@ def test_by_kind_says_where_a_settings_cost_went(sim, capsys):
     tokens per cost; MTP off decoding two rows makes two tokens per plain cycle's cost."""
     model, tok = load(str(demo_model_path()))
     args = type("Args", (), dict(noise=0.0, calibration_noise=None, rounds=1, concurrency=2, max_tokens=6,
-                                 by_kind=True))()
+                                 loop=1, by_kind=True))()
     prompts = [tok.encode("def main(argv):\n    "), tok.encode("class Stack:\n    def __init__(self):\n")]
     sim.run_setting(model, tok, sim.DEVICES["h100"], 0, False, prompts, args, 0.0, 0)
     lines = capsys.readouterr().out.splitlines()
@@ -101,7 +139,7 @@ def test_adaptive_is_judged_over_several_seeds(sim, capsys):
     `--seed 0,1,2` reports each run, then adaptive's mean and lowest over the best fixed
     setting and the request worst off in any of them."""
     args = type("Args", (), dict(device="h100", workload="agents", concurrency=2, noise=0.1, rounds=2,
-                                 suffix=True))()
+                                 suffix=True, loop=1))()
 
     def results(rates, waits):  # MTP off, k = 3 twice its rate, and adaptive (rates, depths, waits)
         return {0: ([1.0, 1.0], {}, [[2.0, 2.0], [2.0, 2.0]]), 3: ([2.0, 2.0], {}, [[1.0, 1.0], [1.0, 1.0]]),
