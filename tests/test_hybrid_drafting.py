@@ -196,16 +196,16 @@ def test_a_row_that_copies_does_not_stall_the_rows_beside_it():
     """Two agents at once, one copying a file (a sure 16-token draft), one writing new code,
     the policy decoding plainly. A verify of 16 tokens costs 2.6 plain cycles here: by the
     batch's total it pays, while the other row would make one token per 2.6 cycles, less than
-    half its own rate (`fairness.FAIR_SHARE`). So that row drafts with the head as deep as the head goes
-    (its catch-up priced), where its drafts are kept; with a head that keeps next to nothing,
-    the copy goes only as deep as leaves that row half its rate; and where each verified token
-    costs a plain cycle (a CPU), the copy does not pay at all."""
+    0.8 of its own rate (`fairness.FAIR_SHARE`). So that row drafts with the head as deep as the
+    head goes (its catch-up priced), where its drafts are kept; with a head that keeps next to
+    nothing, the copy goes only as deep as leaves that row 0.8 of its rate (2 drafts: 1.2 plain
+    cycles); and where each verified token costs a plain cycle (a CPU), the copy does not pay."""
     rows, cal, none = [_Row(1), _Row(2)], hybrid_plan.Calibration(), Draft([], [], 0)
     copying = _draft(16, 0.99)
     plan = hybrid_plan.choose(0, rows, [copying, none], _Policy(a=0.8), cal, 32)
     assert (plan.depth, plan.head_depth, plan.suffix_rows(rows)) == (16, 4, [True, False])
     plan = hybrid_plan.choose(0, rows, [copying, none], _Policy(a=0.05), cal, 32)
-    assert (plan.depth, plan.head_depth, plan.suffix_rows(rows)) == (8, 0, [True, False])
+    assert (plan.depth, plan.head_depth, plan.suffix_rows(rows)) == (2, 0, [True, False])
     assert hybrid_plan.choose(0, rows, [copying, none], _Policy(slope=1.0), cal, 32) == hybrid_plan.head_only(0)
 
 
@@ -219,20 +219,20 @@ def _decoded(ledger, rows, cycles, tokens, cost):
 
 def test_a_request_that_kept_plain_decodings_pace_can_afford_a_copying_rows_long_verify():
     """As above, with a head that keeps next to nothing: the row writing new code would make one
-    token in a 16-token verify (2.6 plain cycles here), under half its rate, so without its
-    history the copy stops at 8. A request that has made a token per plain cycle for 100 cycles
+    token in a 16-token verify (2.6 plain cycles here), under 0.8 of its rate, so without its
+    history the copy stops at 2. A request that has made a token per plain cycle for 100 cycles
     keeps 0.98 of plain decoding's rate after such a cycle (fairness.REQUEST_SHARE: 0.9), so the
     copy goes to 16; one already at 0.9 of it, or just arrived, cannot afford it."""
     rows, cal, none = [_Row(1), _Row(2)], hybrid_plan.Calibration(), Draft([], [], 0)
     copying, policy = _draft(16, 0.99), _Policy(a=0.05)
     ledger = fairness.Ledger()
-    assert hybrid_plan.choose(0, rows, [copying, none], policy, cal, 32, ledger=ledger).depth == 8
+    assert hybrid_plan.choose(0, rows, [copying, none], policy, cal, 32, ledger=ledger).depth == 2
     _decoded(ledger, rows, 100, 1, 1.0)
     plan = hybrid_plan.choose(0, rows, [copying, none], policy, cal, 32, ledger=ledger)
     assert (plan.depth, plan.head_depth, plan.suffix_rows(rows)) == (16, 0, [True, False])
     assert plan.cost == pytest.approx(2.6)
     _decoded(ledger, rows[1:], 100, 1, 1.25)  # now 200 tokens over 225 plain cycles: 0.89
-    assert hybrid_plan.choose(0, rows, [copying, none], policy, cal, 32, ledger=ledger).depth == 8
+    assert hybrid_plan.choose(0, rows, [copying, none], policy, cal, 32, ledger=ledger).depth == 2
     hybrid_plan.forget_absent(ledger.of, {1})
     assert set(ledger.of) == {1}
 
