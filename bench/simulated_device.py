@@ -72,10 +72,10 @@ from mlxmtp.models.load import load  # noqa: E402
 # at k = 0..4: each draft adds 0.37-0.38 plain cycles beyond its verify). `per_token`, what each
 # token past T = 5 adds to a verify (suffix cycles of 8-32 drafts), is a guess: the slope from
 # T = 4 to 5 was 0.20, and a longer verify fills the device better.
-# apple-27b-estimate: not measured (no Apple GPU here), an estimate of a large model on an
-# Apple GPU, where decoding is bandwidth-bound: a 4-bit 27B model reads ~15 GB a step, and each
-# token more in a verify adds its compute, ~6% of a step; the head (one decoder layer and the
-# lm_head) reads ~6% of the model's weights. So a k = 3 cycle costs 1.18 + 3 x 0.06 = 1.36 plain
+# apple-27b-estimate: not measured, an estimate of a large model on an Apple GPU, where
+# decoding is bandwidth-bound: a 4-bit 27B model reads ~15 GB a step, and each token more in a
+# verify adds its compute, ~6% of a step; the head (one decoder layer and the lm_head) reads ~6%
+# of the model's weights. So a k = 3 cycle costs 1.18 + 3 x 0.06 = 1.36 plain
 # cycles, as MTPLX's reported 28 -> 63 tok/s at depth 3 on an M5 Max implies (2.24x at ~3 tokens
 # a cycle); a plain step of 28 tok/s. A check of the policy where drafting is cheap, not a
 # forecast of speed.

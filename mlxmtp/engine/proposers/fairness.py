@@ -11,8 +11,8 @@ while the copying rows finish. Where the policy decodes plainly, the first alone
 long verify beside a row writing new code, so the copying rows got no suffix drafts at all
 (BENCHMARKS.md, several agents on the H100's cycle costs). With `FAIR_SHARE` at half, the
 copying rows' long verifies finished them first and left the rows writing new code to finish
-last, their requests waiting up to 1.26x longer than with MTP off; at 0.8, up to 1.14x longer,
-and the batches decode faster (same section).
+last, later than with MTP off; at 0.8 those wait less and the batches decode faster (same
+section).
 """
 
 from __future__ import annotations
