@@ -231,8 +231,7 @@ def forget_outputs(engine) -> None:
     agent's request is new."""
     shared = getattr(engine.proposer, "shared_index", None)
     if shared is not None:
-        shared.chunks.clear()
-        shared.tokens = shared.nbytes = 0
+        shared.clear()
 
 
 def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: float, seed: int):

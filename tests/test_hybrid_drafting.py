@@ -30,7 +30,8 @@ from mlxmtp.engine.proposers.hybrid import HybridProposer
 from mlxmtp.engine.request import Request
 from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.engine.state import acceptance_classes
-from mlxmtp.engine.suffix_index import MAX_MATCH, Draft
+from mlxmtp.engine.suffix_index import Draft
+from mlxmtp.engine.token_index import MAX_MATCH
 from mlxmtp.models.demo import demo_model_path
 
 

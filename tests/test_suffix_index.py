@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from mlxmtp.engine.suffix_index import SharedOutputs, SuffixDrafter, TokenIndex
+from mlxmtp.engine.suffix_index import SharedOutputs, SuffixDrafter
+from mlxmtp.engine.token_index import TokenIndex
 
 
 def test_a_repeated_span_is_proposed_in_full():
@@ -87,6 +88,17 @@ def test_the_shared_index_holds_its_cap_and_evicts_the_oldest_first():
         expected = out[2:4] if k >= 6 else []
         assert SuffixDrafter([1], shared, spec_factor=1.0).propose(out[:2]).tokens == expected
     assert shared.nbytes < 4 * 2000  # what it holds, not what it was ever given
+
+
+def test_a_cleared_shared_index_drafts_nothing_and_counts_nothing():
+    shared = SharedOutputs()
+    shared.add([5, 6, 7, 8])
+    assert SuffixDrafter([1], shared).propose([5, 6]).tokens == [7, 8]
+    shared.clear()
+    assert shared.tokens == shared.nbytes == 0
+    assert SuffixDrafter([1], shared).propose([5, 6]).tokens == []
+    shared.add([5, 6, 9])
+    assert SuffixDrafter([1], shared).propose([5, 6]).tokens == [9]
 
 
 def test_requests_are_independent_and_only_outputs_are_shared():

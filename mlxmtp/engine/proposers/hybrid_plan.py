@@ -34,7 +34,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 from ..limits import MAX_DRAFT_DEPTH
 from ..policy.base import kind_of
 from ..state import acceptance_classes
-from ..suffix_index import MAX_MATCH
+from ..token_index import MAX_MATCH
 from .fairness import Ledger, fair
 
 # The relative cost of each draft in a cycle where the policy has measured none: c(K) =
