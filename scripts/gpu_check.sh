@@ -26,7 +26,8 @@
 # against one padded call, MTP off and k=2, shape-stable as on a GPU; and the row attention's
 # tests), suffix (issue 44 on the GPU: bench/decode.py's edit workload, k=3 and adaptive with and
 # without suffix drafts, greedy; bench/batch.py's agents workload at 4 and 8 requests; and
-# bench/split_verify.py: a padded verify of rows drafting different lengths against one per length).
+# bench/split_verify.py: a padded verify of rows drafting different lengths against one per length),
+# targets (the open issues' GPU targets, sized for one call: see docs/development.md).
 #
 # One call runs at most 600 s: the limits below add up to 280 s (compiled) + 60 (verify)
 # + 150 (tests), or 300 (decode) + 150 (tests) + 80 (profile), per call.
@@ -92,6 +93,17 @@ for check in "$@"; do
                     --depths 2 --no-joins 2>&1 | tee "$OUT/batch_agents.md"
                 timeout 90 python3 bench/split_verify.py --rows 8 --context 1000 --reps 9 2>&1 \
                     | tee "$OUT/split_verify.md" ;;
+        # The open issues' GPU targets in one call of under 600 s: issue 40 (adaptive against the
+        # best fixed depth, one row greedy and 0.6, 4 and 8 rows) and issue 44 (edit with and
+        # without suffix drafts, several agents at once).
+        targets) timeout 170 python3 bench/decode.py --models demo --temps 0,0.6 --depths 2,3 --rounds 2 \
+                     --markdown 2>&1 | tee "$OUT/targets_decode.md"
+                 timeout 110 python3 bench/batch.py --concurrency 4,8 --rounds 2 --depths 2,3 --no-joins 2>&1 \
+                     | tee "$OUT/targets_batch.md"
+                 timeout 140 python3 bench/decode.py --models demo --temps 0 --depths 3 --suffix --workload edit \
+                     --max-tokens 200 --rounds 2 --markdown 2>&1 | tee "$OUT/targets_edit.md"
+                 timeout 120 python3 bench/batch.py --concurrency 4,8 --rounds 2 --suffix --workload agents \
+                     --depths 3 --max-tokens 200 --no-joins 2>&1 | tee "$OUT/targets_agents.md" ;;
         *) echo "unknown check: $check" ;;
     esac
 done
