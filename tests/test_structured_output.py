@@ -190,6 +190,78 @@ def test_a_schema_it_cannot_enforce_and_a_forced_call_are_400s(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.type"
 
 
+def _wide(n: int) -> dict:
+    """An object of n optional string properties (500 pass the bounds; llguidance's Earley row
+    of its first key then holds ~2000 items, its limit)."""
+    return {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(n)}}
+
+
+def test_schemas_too_wide_for_the_grammar_are_400s_naming_their_field(server):
+    import httpx
+
+    user, fmt = [{"role": "user", "content": "x"}], {"type": "json_schema"}
+    for path, body, field in [
+        ("/v1/chat/completions", {"messages": user, "response_format": {**fmt, "json_schema": {
+            "name": "w", "schema": _wide(500)}}}, "response_format"),
+        ("/v1/responses", {"input": "x", "text": {"format": {**fmt, "name": "w", "schema": _wide(500)}}}, "text.format"),
+        ("/v1/messages", {"messages": user, "output_config": {"format": {**fmt, "schema": _wide(500)}}},
+         "output_config.format"),
+        # a forced call whose required property holds its own object forces tokens without end
+        ("/v1/chat/completions", {"messages": user, "tool_choice": "required", "tools": [{
+            "type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]}, "tools"),
+    ]:
+        r = httpx.post(server.url + path, timeout=60, json={"model": "m", "max_tokens": 8, **body})
+        assert r.status_code == 400 and field in r.text, (path, r.text)
+    ok = {**fmt, "json_schema": {"name": "w", "schema": _wide(400)}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "m", "max_tokens": 8, "messages": user, "response_format": ok})
+    assert r.status_code == 200, r.text
+
+
+def test_an_answer_its_schema_stops_holding_part_way_is_a_400_naming_the_field(start_server):
+    # The wide object comes after a string of 12 characters: past the tokens compile_schema walks,
+    # so the grammar meets its limit in the answer (grammar_mask.GrammarError), which the
+    # scripted model writes as the schema asks.
+    import httpx
+
+    server = start_server({"wide": '{"p": "abcdefghijkl", "w": {"k1": "x"}}'}, engine=served_engine(max_batch=4))
+    schema = {"type": "object", "required": ["p", "w"], "properties": {
+        "p": {"type": "string", "minLength": 12, "maxLength": 12}, "w": _wide(500)}}
+    body = {"model": "m", "max_tokens": 80, "messages": [{"role": "user", "content": "FORCE:wide"}]}
+    chat = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "could no longer be enforced" in error["message"], error
+    assert error["type"] == "invalid_request_error"
+    streamed = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**chat, "stream": True}).text
+    assert '"type": "invalid_request_error"' in streamed.replace('":"', '": "') and streamed.rstrip().endswith("[DONE]")
+    messages = {**body, "stream": True, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    streamed = httpx.post(server.url + "/v1/messages", timeout=60, json=messages).text
+    assert "event: error" in streamed and "invalid_request_error" in streamed, streamed[-400:]
+    assert "'output_config.format': the answer's format could no longer be enforced" in streamed
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_forced_call_to_a_deferred_tool_is_held_to_its_schema(server):
+    # Tool search: a tool marked defer_loading is not listed up front; forcing a call to it
+    # lists it, and the call is held to its schema (it came back as text, its arguments free).
+    import httpx
+
+    weather = {"name": "get_weather", "defer_loading": True, "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"],
+        "additionalProperties": False}}
+    other = {"name": "other", "input_schema": {"type": "object", "properties": {}}}
+    r = httpx.post(server.url + "/v1/messages", timeout=120, json={
+        "model": "m", "max_tokens": 400, "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [weather, other], "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert r.status_code == 200, r.text
+    calls = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    assert [c["name"] for c in calls] == ["get_weather"], r.text
+    assert set(calls[0]["input"]) == {"city"} and len(calls[0]["input"]["city"]) <= 4
+
+
 def _ref_chain(hops: int) -> dict:
     """A flat chain of `hops` $refs (3000 of them overflowed llguidance's compile stack)."""
     defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(hops - 1)}

@@ -100,7 +100,9 @@ def _append(row: Row, tokens: List[int]) -> Tuple[List[int], Optional[str], Opti
 def failed(request_id: int, failure: RowFailure, stats: Optional[RequestStats]) -> Event:
     """The final event of a request whose own code failed."""
     log.warning("request %d failed: %s", request_id, failure)
-    return Event(request_id, [], "", "error", error=f"generation failed: {failure}", stats=stats)
+    # A cause naming a request field (`param`) failed on what the request asked for.
+    return Event(request_id, [], "", "error", error=f"generation failed: {failure}", stats=stats,
+                 error_param=getattr(failure.cause, "param", None))
 
 
 def _find_stop(text: str, stops: List[str], start: int = 0) -> Optional[Tuple[int, str]]:

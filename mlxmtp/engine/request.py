@@ -126,4 +126,6 @@ class Event:
     logprobs: Optional[List[dict]] = None  # per token: {"token", "logprob", "top": [(id, lp), ...]}
     stats: Optional[RequestStats] = None  # on the final event
     error: Optional[str] = None
+    # The request's field whose content failed it (its `error` is then the client's: a 400), if any.
+    error_param: Optional[str] = None
     stop: Optional[str] = None  # the stop string that ended the request (finish_reason "stop")

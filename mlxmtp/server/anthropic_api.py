@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse
 from .answer_hold import hold_to_format
 from .anthropic_input import anthropic_messages, anthropic_tools, continues_prefill, listed_tools
 from .chat import Prompt, build_prompt
-from .errors import APIError
-from .generation import Generation
+from .errors import APIError, anthropic_error_body
+from .generation import Generation, finish_error
 from .request_path import Reply, check_model, handle, new_generation, sse_event
 from .thinking_budget import add_budget
 from .validation import anthropic_tool_choice, field, parse_json_body, sampling_params, string_list
@@ -86,7 +86,7 @@ def _conversation(state, body: dict) -> Tuple[str, Prompt, Optional[List[dict]]]
     if choice == "none":
         tools = None
     prefill = continues_prefill(msgs, f"messages.{len(body['messages']) - 1}.content")
-    prompt = build_prompt(state.tok, msgs, listed_tools(body.get("tools"), tools), _thinking(body)[0],
+    prompt = build_prompt(state.tok, msgs, listed_tools(body.get("tools"), tools, choice), _thinking(body)[0],
                           state.template_kwargs(), tool_choice=choice, continue_final=prefill)
     return model, prompt, tools
 
@@ -196,7 +196,7 @@ class MessageReply(Reply):
     def finish(self, gen: Generation) -> List[str]:
         out = self._close()
         if gen.error:
-            return out + [sse_event("error", {"type": "error", "error": {"type": "api_error", "message": gen.error}})]
+            return out + [sse_event("error", anthropic_error_body(finish_error(gen)))]
         return out + [
             sse_event("message_delta", {"type": "message_delta",
                                         "delta": {"stop_reason": _stop_reason(gen),

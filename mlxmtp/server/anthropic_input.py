@@ -224,9 +224,10 @@ def anthropic_tools(tools: Any) -> Optional[List[dict]]:
     return out or None
 
 
-def listed_tools(tools: Any, functions: Optional[List[dict]]) -> Optional[List[dict]]:
+def listed_tools(tools: Any, functions: Optional[List[dict]], forced: Optional[str] = None) -> Optional[List[dict]]:
     """The function tools the prompt lists up front: those not marked `defer_loading` (all
-    of them if every one is: the template then still says how to call a tool)."""
-    deferred = {t["name"] for t in tools or [] if t.get("defer_loading") is True}
+    of them if every one is: the template then still says how to call a tool), and the tool
+    `tool_choice` names (`forced`): the model sees the schema its call is held to."""
+    deferred = {t["name"] for t in tools or [] if t.get("defer_loading") is True} - {forced}
     listed = [f for f in functions or [] if f["function"]["name"] not in deferred]
     return listed or functions

@@ -165,6 +165,8 @@ class CallProcessor(GrammarProcessor):
     last tokens, not its length: a context differs from the one before only within the
     engine's cycle reach (drafts, a cycle not read yet)."""
 
+    where = "tools"  # the schemas a call is held to
+
     def __init__(self, matcher, prompt_len: int, trigger: int, end: int, think_start: Optional[int] = None,
                  think_end: Optional[int] = None, in_think: bool = False):
         super().__init__(matcher, prompt_len)

@@ -60,6 +60,7 @@ class Generation:
         self.stop: Optional[str] = None  # the stop string that ended it (engine Event.stop)
         self.own_stops: set = set()  # stop strings the server added (not the client's: not reported)
         self.error: Optional[str] = None
+        self.error_param: Optional[str] = None  # the request's field that failed it (Event.error_param)
         self.stats = None
         self.pieces: List[Piece] = []
 
@@ -124,7 +125,7 @@ class Generation:
             self.logprobs += ev.logprobs
         pieces: List[Piece] = []
         if ev.finish_reason == "error":
-            self.error = ev.error or "generation failed"
+            self.error, self.error_param = ev.error or "generation failed", ev.error_param
         if self.splitter is None:
             if ev.text:
                 pieces.append(("content", ev.text))
@@ -187,4 +188,5 @@ class Generation:
 
 
 def finish_error(gen: Generation) -> APIError:
-    return APIError(500, gen.error or "generation failed")
+    """The failed generation's error: a 400 naming the field whose content failed it, else a 500."""
+    return APIError(400 if gen.error_param else 500, gen.error or "generation failed", param=gen.error_param)

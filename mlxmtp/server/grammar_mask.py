@@ -18,7 +18,12 @@ def allowed_tokens(matcher, n: int) -> np.ndarray:
 
 class GrammarError(RuntimeError):
     """The grammar engine stopped holding an answer part way (a limit of its own reached):
-    the request fails rather than going on with free text."""
+    the request fails rather than going on with free text, as a 400 naming `param`, the
+    request's field the grammar came from (its schema is what asked too much)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class GrammarProcessor:
@@ -27,6 +32,8 @@ class GrammarProcessor:
     drafts it rejected are replaced): the matcher is brought to each context by rolling back
     what differs from the tokens it consumed and consuming the rest. A context the grammar
     refuses (a draft after a refused one, rejected anyway) gets its logits unchanged."""
+
+    where: Optional[str] = None  # the request's field the grammar holds its answer to (GrammarError)
 
     def __init__(self, matcher, prompt_len: int, opens_after: Optional[List[int]] = None):
         self.matcher = matcher
@@ -45,8 +52,9 @@ class GrammarProcessor:
         reached = self._reach(held)
         allowed = allowed_tokens(self.matcher, logits.shape[-1]) if reached else None
         if self.matcher.is_error():
-            raise GrammarError("the answer's format could no longer be enforced: "
-                               + self.matcher.get_error().splitlines()[0])
+            field = f"'{self.where}': " if self.where else ""
+            raise GrammarError(f"{field}the answer's format could no longer be enforced: "
+                               + self.matcher.get_error().splitlines()[0], self.where)
         if not reached:
             return logits
         allowed = mx.array(allowed)

@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import List
 
-from .generation import Generation
+from .errors import openai_error_body
+from .generation import Generation, finish_error
 from .request_path import Reply, sse_data
 
 
@@ -48,7 +49,7 @@ class OpenAIReply(Reply):
 
     def finish(self, gen: Generation) -> List[str]:
         if gen.error:
-            return [sse_data({"error": {"message": gen.error, "type": "server_error", "param": None, "code": None}})]
+            return [sse_data(openai_error_body(finish_error(gen)))]
         out = [self.final_chunk(gen)]
         if self.include_usage:
             out.append(sse_data(self.envelope(self.chunk_object, [], usage=usage(gen))))

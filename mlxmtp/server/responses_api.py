@@ -36,7 +36,7 @@ from starlette.requests import Request as HTTPRequest
 
 from .answer_hold import hold_to_format
 from .chat import build_prompt
-from .generation import Generation
+from .generation import Generation, finish_error
 from .reasoning import Piece
 from .request_path import Reply, check_model, handle, new_generation, sse_event
 from .responses_input import check_accepted, input_messages, thinking_flag
@@ -226,7 +226,9 @@ class ResponsesReply(Reply):
         items = self.items
         if gen.error:
             done = [item for item in items.output if item.get("status") == "completed"]
-            return [items.event("error", code="server_error", message=gen.error, param=None),
+            err = finish_error(gen)
+            return [items.event("error", code="server_error" if err.status >= 500 else "invalid_request_error",
+                                message=err.message, param=err.param),
                     items.event("response.failed", response=self.shape.build("failed", done, usage(gen, self.tok),
                                                                              error=gen.error))]
         status = _final_status(gen)

@@ -150,6 +150,8 @@ def compile_schema(schema: dict, where: str):
         error = next(filter(None, map(pattern_error, regexes)), "")
     if not error and not _anything_allowed(matcher):
         error = "no JSON value satisfies this schema"
+    if not error:
+        error = first_steps_error(matcher)
     if error:
         raise APIError(400, f"'{where}' cannot be enforced: {error}", param=where)
     return grammar, matcher
@@ -183,6 +185,23 @@ def pattern_error(regex: str) -> str:
     return f"pattern {regex[:80]!r}: {matcher.get_error().splitlines()[0]}" if matcher.is_error() else ""
 
 
+def first_steps_error(matcher, steps: int = 8) -> str:
+    """Why the grammar stops holding within its first `steps` tokens ("" if it holds), walked on
+    a copy along the first allowed token that is more than whitespace. llguidance bounds the work
+    of a step (the items of an Earley row, the tokens a step forces), and a wide or endless schema
+    meets those bounds at once: an object of 500 optional properties after its `{`, a forced call
+    whose required property holds its own object. Found here, that is a 400 naming the field;
+    met further into the answer, the request fails (grammar_mask.GrammarError, a 400 too)."""
+    walk, tok = matcher.deep_copy(), SERVED_MODEL["tok"]
+    for _ in range(steps):
+        allowed = np.flatnonzero(allowed_tokens(walk, SERVED_MODEL["vocab_size"])).tolist()
+        allowed = [t for t in allowed if t not in tok.eos_token_ids]
+        if walk.is_error() or not allowed:
+            break
+        walk.consume_token(next((t for t in allowed if tok.decode([t]).strip()), allowed[0]))
+    return walk.get_error().splitlines()[0] if walk.is_error() else ""
+
+
 def _anything_allowed(matcher) -> bool:
     """Whether the grammar lets the answer start: some token other than the end of text."""
     allowed = np.flatnonzero(allowed_tokens(matcher, SERVED_MODEL["vocab_size"])).tolist()
@@ -195,7 +214,7 @@ def hold_to_schema(req, tok, schema: dict, where: str, in_think: bool) -> None:
     inside <think>."""
     opens_after = tok.encode("</think>", add_special_tokens=False) if in_think else None
     grammar, matcher = compile_schema(schema, where)
-    req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), opens_after))
+    req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), opens_after, where=where))
 
 
 def hold_forced_call(req, tok, prompt) -> None:
@@ -210,9 +229,10 @@ def hold_forced_call(req, tok, prompt) -> None:
     grammar = llguidance.LLMatcher.grammar_from_lark(text)
     matcher = new_matcher(grammar, keep)
     error = matcher.get_error() if matcher.is_error() else next(filter(None, map(pattern_error, regexes)), "")
+    error = error or first_steps_error(matcher)
     if error:
         raise APIError(400, f"'tools': the forced call cannot be held to the tools' schemas: {error}", param="tools")
-    req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), None, keep))
+    req.params.logits_processors.append(_processor(grammar, matcher, len(req.prompt), None, keep, "tools"))
 
 
 def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[int]] = None,
@@ -223,8 +243,9 @@ def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[
 
 
 def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]],
-               keep: Tuple[str, ...] = ()) -> GrammarProcessor:
+               keep: Tuple[str, ...] = (), where: Optional[str] = None) -> GrammarProcessor:
     proc = GrammarProcessor(matcher, prompt_len, opens_after)
+    proc.where = where
     # How another rank of a distributed server rebuilds it (distributed/wire.py).
     proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after, list(keep)])
     return proc
