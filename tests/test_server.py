@@ -402,6 +402,9 @@ OPENAI_BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": 5}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": ""}}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "abc"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x " * 2000}]}, 400),
 ]
 
@@ -427,6 +430,16 @@ ANTHROPIC_BAD = [
     ({"model": MODEL, "max_tokens": 5, "thinking": {"type": "maybe"}, "messages": [{"role": "user", "content": "x"}]},
      400),
     ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x " * 2000}]}, 400),
+    # a text that is not a string would reach the prompt as its Python spelling ("None", "5")
+    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     400),
+    ({"model": MODEL, "max_tokens": 5, "system": [{"type": "text", "text": 5}],
+      "messages": [{"role": "user", "content": "x"}]}, 400),
+    ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": {}}]}]}, 400),
+    ({"model": MODEL, "max_tokens": 5, "metadata": "m", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ({"model": MODEL, "max_tokens": 5, "tools": [{"name": "t", "description": 5, "input_schema": {"type": "object"}}],
+      "messages": [{"role": "user", "content": "x"}]}, 400),
 ]
 
 

@@ -97,6 +97,7 @@ def _prepare(state, raw: bytes) -> Tuple[Generation, "MessageReply"]:
     max_tokens = field(body, "max_tokens", int, required=True, minimum=1)
     model, prompt, tools = _conversation(state, body)
     stop = string_list(body, "stop_sequences")
+    field(body, "metadata", dict)  # read by no one here, but a client's mistake all the same
     stream = field(body, "stream", bool, default=False)
     params = sampling_params(body, state.vocab_size, anthropic=True, defaults=state.sampling_defaults)
     gen = new_generation(state, body, prompt.ids, max_tokens, params, prompt.splitter(tools), stop=stop,

@@ -59,13 +59,22 @@ def loaded_schemas(refs: List[dict], catalog: dict, where: str) -> str:
     return "<functions>\n" + "\n".join(lines) + "\n</functions>"
 
 
+def _string(b: dict, key: str, where: str) -> str:
+    """A block's text field (`key`; absent: ""), which must be a string (a number or null would
+    reach the prompt as its Python spelling)."""
+    value = b.get(key, "")
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}: a {b.get('type')} block's '{key}' must be a string")
+    return value
+
+
 def _block_text(b: dict, where: str) -> str:
     """What the model reads of a text, document or image block. The models served are
     text-only: an image or a PDF (a user's attachment, a picture a tool read) becomes a note
     that it was left out, so the turn (which an agent resends every turn) still runs."""
     kind = b.get("type")
     if kind == "text":
-        return str(b.get("text", ""))
+        return _string(b, "text", where)
     if kind in ("image", "document") and not isinstance(b.get("source"), dict):
         raise APIError(400, f"{where}: {kind} blocks need a 'source' object")
     text = _document_text(b.get("source")) if kind == "document" else None
@@ -112,7 +121,7 @@ def anthropic_system(system: Any, where: str = "system") -> Optional[str]:
         return None
     if isinstance(system, str):
         return _BILLING_LINE.sub("", system)
-    texts = [_BILLING_LINE.sub("", str(b.get("text", ""))) for b in _blocks(system, where) if b.get("type") == "text"]
+    texts = [_BILLING_LINE.sub("", _string(b, "text", where)) for b in _blocks(system, where) if b.get("type") == "text"]
     return "\n".join(t for t in texts if t)
 
 
@@ -184,9 +193,9 @@ def _anthropic_assistant(blocks: List[dict], where: str) -> Message:
     for b in blocks:
         kind = b.get("type")
         if kind == "text":
-            texts.append(str(b.get("text", "")))
+            texts.append(_string(b, "text", where))
         elif kind == "thinking":
-            thinking.append(str(b.get("thinking", "")))
+            thinking.append(_string(b, "thinking", where))
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use":
@@ -218,6 +227,8 @@ def anthropic_tools(tools: Any) -> Optional[List[dict]]:
             continue  # server tools (web_search, ...) are not ours to run
         check_schema(t["input_schema"], f"tools.{i}.input_schema")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if not isinstance(t.get("description", ""), str):
+            raise APIError(400, f"tools.{i}.description: must be a string")
         if t.get("description"):
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})

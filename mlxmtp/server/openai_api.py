@@ -193,7 +193,7 @@ def _prepare_chat(state, raw: bytes) -> Tuple[Generation, ChatReply]:
                          shared_prefix=prompt.shared)
     hold_to_format(gen.req, state.tok, body.get("response_format"), "response_format", prompt, tools,
                    strict_tools(tools), state.constrain_tool_calls)
-    if tools and field(body, "parallel_tool_calls", bool) is False:
+    if field(body, "parallel_tool_calls", bool) is False and tools:
         gen.one_tool_call()
     return gen, ChatReply(state, model, stream, include_usage, want_lp)
 

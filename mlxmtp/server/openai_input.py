@@ -86,7 +86,7 @@ def openai_tools(tools: Any) -> Optional[List[dict]]:
         raise APIError(400, "'tools' must be an array", param="tools")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                            param="tools")
         check_schema(fn.get("parameters"), f"tools[{i}].function.parameters", param="tools")
