@@ -165,11 +165,9 @@ class CallProcessor(GrammarProcessor):
     last tokens, not its length: a context differs from the one before only within the
     engine's cycle reach (drafts, a cycle not read yet)."""
 
-    where = "tools"  # the schemas a call is held to
-
     def __init__(self, matcher, prompt_len: int, trigger: int, end: int, think_start: Optional[int] = None,
                  think_end: Optional[int] = None, in_think: bool = False):
-        super().__init__(matcher, prompt_len)
+        super().__init__(matcher, prompt_len, where="tools")  # the schemas a call is held to
         self.trigger, self.end = trigger, end
         self.think_start, self.think_end = think_start, think_end
         self.first = _THINK if in_think and think_end is not None else _TEXT

@@ -33,10 +33,10 @@ class GrammarProcessor:
     what differs from the tokens it consumed and consuming the rest. A context the grammar
     refuses (a draft after a refused one, rejected anyway) gets its logits unchanged."""
 
-    where: Optional[str] = None  # the request's field the grammar holds its answer to (GrammarError)
-
-    def __init__(self, matcher, prompt_len: int, opens_after: Optional[List[int]] = None):
+    def __init__(self, matcher, prompt_len: int, opens_after: Optional[List[int]] = None,
+                 where: Optional[str] = None):
         self.matcher = matcher
+        self.where = where  # the request's field the grammar holds its answer to (GrammarError)
         self.prompt_len = prompt_len
         self.opens_after = opens_after  # the grammar holds after these tokens (`</think>`), or at once
         self.consumed: List[int] = []

@@ -244,8 +244,7 @@ def grammar_processor(grammar: str, prompt_len: int, opens_after: Optional[List[
 
 def _processor(grammar: str, matcher, prompt_len: int, opens_after: Optional[List[int]],
                keep: Tuple[str, ...] = (), where: Optional[str] = None) -> GrammarProcessor:
-    proc = GrammarProcessor(matcher, prompt_len, opens_after)
-    proc.where = where
+    proc = GrammarProcessor(matcher, prompt_len, opens_after, where)
     # How another rank of a distributed server rebuilds it (distributed/wire.py).
     proc.recipe = ("mlxmtp.server.structured_output:grammar_processor", [grammar, prompt_len, opens_after, list(keep)])
     return proc
