@@ -114,6 +114,7 @@ CASES = [
     (chat(chat_template_kwargs={"enable_thinking": "y"}), 400, "enable_thinking"),
     (chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), 400, "chat_template_kwargs.chat_template"),
     (chat(chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs.add_generation_prompt"),
+    (chat(chat_template_kwargs={"namespace": None}), 400, "chat_template_kwargs.namespace"),  # named messages before
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]), 400,
      "tools[0].function.parameters"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]), 400,

@@ -121,6 +121,11 @@ RENDERING_ARGUMENTS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
 })
 
+# The functions a chat template calls (Jinja's own and transformers'): a variable of that name
+# would replace the function, and the template fail on a call it cannot make.
+TEMPLATE_FUNCTIONS = frozenset({"cycler", "dict", "joiner", "lipsum", "namespace", "range", "raise_exception",
+                                "strftime_now"})
+
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 

@@ -16,7 +16,13 @@ from starlette.responses import JSONResponse
 
 from ..mlxlm.token_text import token_bytes
 from .answer_hold import hold_to_format
-from .chat import RENDERING_ARGUMENTS, build_prompt, effort_thinking, encode_prompt
+from .chat import (
+    RENDERING_ARGUMENTS,
+    TEMPLATE_FUNCTIONS,
+    build_prompt,
+    effort_thinking,
+    encode_prompt,
+)
 from .errors import APIError
 from .generation import Generation
 from .openai_input import openai_messages, openai_tools, strict_tools
@@ -151,6 +157,9 @@ def _template_options(tok, body: dict) -> Tuple[Optional[bool], dict]:
         raise APIError(400, f"'chat_template_kwargs.{name}' is not allowed: the request may set the "
                             "template's variables only (the model's own template is used)",
                        param="chat_template_kwargs")
+    for name in sorted(TEMPLATE_FUNCTIONS & set(kwargs)):
+        raise APIError(400, f"'chat_template_kwargs.{name}' is not allowed: the template calls a function of "
+                            "that name", param="chat_template_kwargs")
     thinking = field(body, "enable_thinking", bool)
     if thinking is None and "enable_thinking" in kwargs:
         thinking = field(kwargs, "enable_thinking", bool, label="chat_template_kwargs.enable_thinking")
