@@ -7,7 +7,8 @@ estimated probability that the first i + 1 are all kept; a row whose proposals w
 for a while is asked less often, hybrid_plan.Lookups) and picks the cycle's depth K among k
 and the proposals' lengths, and the head's depth j in it (hybrid_plan.choose): the pair with
 the most expected tokens per unit of cost over the batch that leaves the rows on the head at
-least 0.8 of their own rate, each row taking at that depth the source that expects more.
+least `fairness.FAIR_SHARE` of their own rate, each row taking at that depth the source that
+expects more.
 
 The head runs when at least one row takes its drafts, at depth j; every row's drafts
 are padded to K by repeating its last one (verified like any draft: padding costs acceptance

@@ -21,8 +21,8 @@ policy's choice, or as deep as the head goes within K: the verify covers K posit
 row anyway, and a head step costs `step` (the slope of the head's own cycle costs; `extra`:
 the steps c(K) does not already price, _head_depths). The plan takes the (K, j) with the
 highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
-long draft may pay cut short), leaving every row on the head enough (fairness.py: 0.8 of its rate
-in the policy's own cycle, or its answer so far near plain decoding's rate); a row takes the
+long draft may pay cut short), leaving every row on the head enough (fairness.py: FAIR_SHARE of
+its rate in the policy's own cycle, or its answer so far near plain decoding's rate); a row takes the
 suffix where E_s(K) beats E_h(j). The head runs only if some row takes its drafts.
 """
 
