@@ -23,7 +23,7 @@ first drafts have been tried a few times, drafting goes on wherever it could pay
 (`_learning`): plain decoding chosen on the prior acceptance alone would never learn
 that the head is good. Likewise a depth's acceptance is its own (what its class's says
 can be far off), so a depth that could beat the regime is probed long enough to try
-`learn_drafts` drafts of its own (`_worth_learning`); and where deeper depths are priced
+`learn_drafts` drafts of its own (`probes.worth_learning`); and where deeper depths are priced
 only by the line, probes climb one depth at a time (`probes.climb`).
 
 Where verifying k+1 tokens costs about (k+1)x one token, E(k)/c(k) < 1/c(0) for every k > 0:
@@ -33,7 +33,6 @@ the policy settles on 0, probes rarely, and no request learns drafts: as fast as
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from ..limits import MAX_DRAFT_DEPTH
@@ -73,7 +72,7 @@ class DepthPolicy(Policy):
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
-        self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`_worth_learning`)
+        self._unlearnt: Dict[int, int] = {}  # depth -> steady cycles it needs (`probes.worth_learning`)
 
     def needs_costs(self, batch_size: int) -> bool:
         """Whether to calibrate cycle costs (engine/policy/calibration.py) before this cycle: no cost
@@ -141,7 +140,8 @@ class DepthPolicy(Policy):
             return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
         classes = list(classes) if classes else [None]
         mean, bound = self._rates(costs, classes, requests, False), self._rates(costs, classes, requests, True)
-        self._unlearnt = self._worth_learning(mean, bound, classes)
+        self._unlearnt = probes.worth_learning(mean, bound, mean.get(self.regime, max(mean.values())), classes,
+                                               self.accept.tried_at, self.cfg.learn_drafts)
         best = max(mean, key=mean.get)
         if not self._calibrated(key, best):
             step = probes.climb(best, self._costs(key).log_costs())
@@ -258,6 +258,12 @@ class DepthPolicy(Policy):
         """Whether the depth in use outside probes is plain decoding (Policy.plain_regime)."""
         return self.regime == 0 and self.why != LEARNING
 
+    def holds_cycle(self) -> bool:
+        """Policy.holds_cycle: a calibration block that suffix cycles have taken the place of for
+        `held_calibration` blocks (a batch size where some row copies at every cycle)."""
+        n = self._calibration.get(self._key, 0)
+        return self.why == CALIBRATING and n > self.cfg.held_calibration * self.cfg.burst
+
     def _because(self, why: str, k: int) -> int:
         self.why = why
         return k
@@ -269,20 +275,6 @@ class DepthPolicy(Policy):
 
     def _probe_plan(self, k: int) -> List[int]:
         return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0))
-
-    def _worth_learning(self, mean: Dict[int, float], bound: Dict[int, float],
-                        classes: List[Hashable]) -> Dict[int, int]:
-        """{depth: steady cycles it needs} for the drafting depths that could beat the regime
-        (by the optimistic estimates) and whose own steady cycles have tried fewer than
-        `learn_drafts` first drafts for a class of the batch (why: probes.plan)."""
-        regime = mean.get(self.regime, max(mean.values()))
-        rows, out = Counter(classes), {}
-        for k in mean:
-            if k > 0 and bound[k] > regime:
-                need = max((self.cfg.learn_drafts - self.accept.tried_at(cls, k)) / n for cls, n in rows.items())
-                if need > 0:
-                    out[k] = math.ceil(need)
-        return out
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,

@@ -13,7 +13,9 @@ probed often, clearly worse depths rarely.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import math
+from collections import Counter
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 
 def plan(k: int, regime: int, burst: int, learn: int = 0) -> List[int]:
@@ -38,6 +40,20 @@ def plan(k: int, regime: int, burst: int, learn: int = 0) -> List[int]:
     cycles = [k] * burst if partner is None else [k, k, partner, k, k]
     steady = sum(a == b == k for a, b in zip(cycles, cycles[1:]))  # those that teach acceptance
     return cycles + [k] * max(0, learn - steady)
+
+
+def worth_learning(mean: Dict[int, float], bound: Dict[int, float], regime: float, classes: List[Hashable],
+                   tried_at: Callable[[Hashable, int], float], learn_drafts: int) -> Dict[int, int]:
+    """{depth: steady cycles it needs} for the drafting depths that could beat the regime's rate
+    `regime` (by the optimistic estimates `bound`) and whose own steady cycles have tried fewer
+    than `learn_drafts` first drafts (`tried_at(class, depth)`) for a class of the batch (why: plan)."""
+    rows, out = Counter(classes), {}
+    for k in mean:
+        if k > 0 and bound[k] > regime:
+            need = max((learn_drafts - tried_at(cls, k)) / n for cls, n in rows.items())
+            if need > 0:
+                out[k] = math.ceil(need)
+    return out
 
 
 def climb(best: int, priced: Dict[int, float]) -> int:
