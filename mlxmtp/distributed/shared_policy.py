@@ -3,11 +3,12 @@
 The policy times cycles and calibrates costs, and no two machines read the same clock,
 so left alone each rank would choose its own depth and the ranks' forwards would no
 longer match. Here every answer that steers the engine (the depth, whether plain
-decoding is the regime, whether the cycle is held to that depth, whether to calibrate, and the estimates a cycle's suffix drafts
-are planned by: proposers/hybrid_plan.py) is rank 0's policy's, shared in one small
-collective at the point where every rank asks it; the other ranks' own policies are
-only told what happened. A policy's `needs_costs` stays no for a batch size once it said
-no (adaptive.DepthPolicy: calibrated costs are kept), so that answer is shared once.
+decoding is the regime, whether the cycle is held to that depth, whether to calibrate,
+and the estimates a cycle's suffix drafts are planned by: proposers/hybrid_plan.py) is
+rank 0's policy's, shared in one small collective at the point where every rank asks
+it; the other ranks' own policies are only told what happened. A policy's `needs_costs`
+stays no for a batch size once it said no (adaptive.DepthPolicy: calibrated costs are
+kept), so that answer is shared once.
 """
 
 from __future__ import annotations

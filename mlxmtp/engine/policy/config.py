@@ -16,7 +16,7 @@ class PolicyConfig:
     margin: float = 0.05  # drafting must beat plain decoding by this much
     hysteresis: float = 0.02  # another drafting depth must beat the current one by this much
     min_samples: int = 3  # cost samples before a depth counts as measured
-    learn_drafts: int = 8  # first drafts a class (_learning), a depth (_worth_learning) and a request must try
+    learn_drafts: int = 8  # first drafts a class (_learning), a depth (probes.worth_learning) and a request must try
     settled: float = 32.0  # first drafts of a class's own (decayed) past which a request learns only what could pay
     burst: int = 3  # cycles per calibration block / probe without a partner
     held_calibration: int = 8  # calibration blocks suffix cycles may take the place of, per table (holds_cycle)
