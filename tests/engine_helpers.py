@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import random
 import shutil
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,6 +23,21 @@ def loaded(path: str):
     model, tok = load(path)
     ref, _ = mlx_lm.load(path)
     return model, tok, ref
+
+
+@contextmanager
+def own_policies(model):
+    """Engines of `model` built inside get depth policies of their own: engines of a model share
+    them (engine/pieces.shared_policy), `loaded` keeps models for the session, and a test that
+    asks what a fresh server does, or changes a policy's settings, must neither see nor leave
+    what other tests taught one."""
+    saved = dict(model.policies)
+    model.policies.clear()
+    try:
+        yield
+    finally:
+        model.policies.clear()
+        model.policies.update(saved)
 
 
 # (id of the model, prompt, n) -> (the model, its output): many tests decode the same

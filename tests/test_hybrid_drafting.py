@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from engine_helpers import asked_again, loaded, prompt_of, reference_greedy
+from engine_helpers import asked_again, loaded, own_policies, prompt_of, reference_greedy
 from test_sampling_exact import (  # noqa: F401  (pytest fixtures, used by name)
     PARAMS,
     N,
@@ -54,7 +54,8 @@ def test_the_demo_asked_again_is_drafted_by_the_suffix_and_stays_exact(num_draft
     model, tok, ref = loaded(str(demo_model_path()))
     again = asked_again(tok, ref, 96)
     want = reference_greedy(ref, again, 96)
-    res = generate(model, tok, again, max_tokens=96, config=EngineConfig(num_draft=num_draft, suffix_drafts=True))
+    with own_policies(model):  # a fresh process's policy: what other tests taught it would steer this one
+        res = generate(model, tok, again, max_tokens=96, config=EngineConfig(num_draft=num_draft, suffix_drafts=True))
     assert res.token_ids == want
     s = res.stats.as_dict()
     assert s["by_source"]["suffix"]["accepted"] >= 48, s["by_source"]
@@ -284,7 +285,7 @@ def test_the_server_reports_drafts_by_source_in_usage_and_metrics():
     from mlxmtp.server.app import create_app
 
     model, tok, ref = loaded(str(demo_model_path()))
-    with ServerThread(create_app(model, tok)) as srv:
+    with own_policies(model), ServerThread(create_app(model, tok)) as srv:
         r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
             "model": "m", "prompt": asked_again(tok, ref, 64), "max_tokens": 48, "temperature": 0}).json()
         usage = r["usage"]["mtp"]["by_source"]
@@ -506,7 +507,8 @@ def test_rows_that_always_copy_let_the_policy_measure_plain_decoding_and_k_1():
     none) the blocks are held: the table gets its two anchors, and the rows still copy."""
     model, tok, ref = loaded(str(demo_model_path()))
     again = asked_again(tok, ref, 64)
-    eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True))
+    with own_policies(model):
+        eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True))
     eng.policy.cfg.held_calibration = 0
     _, stats = _run(eng, [Request(prompt=again, max_tokens=64) for _ in range(2)])
     table, need = eng.policy.costs[2, GREEDY], eng.policy.cfg.min_samples
