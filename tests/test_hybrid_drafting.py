@@ -497,32 +497,3 @@ def test_suffix_cycles_teach_the_depth_policy_their_cost_and_nothing_else():
     _run(eng, [Request(prompt=again, max_tokens=64)])
     measured = {k for table in eng.policy.costs.values() for k in table.log_costs()}
     assert max(measured) > eng.policy.max_depth, measured
-
-
-def test_rows_that_always_copy_let_the_policy_measure_plain_decoding_and_k_1():
-    """Two rows re-writing an answer from their prompt: every cycle could take a suffix draft,
-    and suffix cycles of other depths in place of the policy's live calibration blocks (plain
-    decoding, then k = 1) would leave the batch size's table unmeasured for good, the policy
-    calibrating, its head rows held to depths 0 and 1. Past `held_calibration` blocks (here
-    none) the blocks are held: the table gets its two anchors, and the rows still copy."""
-    model, tok, ref = loaded(str(demo_model_path()))
-    again = asked_again(tok, ref, 64)
-    with own_policies(model):
-        eng = BatchGenerator(model, tok, EngineConfig(suffix_drafts=True))
-    eng.policy.cfg.held_calibration = 0
-    _, stats = _run(eng, [Request(prompt=again, max_tokens=64) for _ in range(2)])
-    table, need = eng.policy.costs[2, GREEDY], eng.policy.cfg.min_samples
-    assert table.samples(0) >= need and table.samples(1) >= need and {0, 1} <= table.log_costs().keys()
-    assert all(s["by_source"]["suffix"]["accepted"] > 32 for s in stats)
-
-
-def test_calibration_blocks_are_held_once_suffix_cycles_took_their_place_for_long():
-    policy, rows = DepthPolicy(), [GREEDY] * 2
-    held = []
-    for _ in range(40):  # no cycle reported: every choice is a calibration block's
-        policy.choose(2, None, rows)
-        held.append(policy.holds_cycle())
-    blocks = policy.cfg.held_calibration * policy.cfg.burst
-    assert policy.why == "calibrating" and held == [False] * blocks + [True] * (40 - blocks)
-    policy.choose(1, None, [GREEDY])  # another batch size: its own count
-    assert not policy.holds_cycle()

@@ -3,12 +3,11 @@
 The policy times cycles and calibrates costs, and no two machines read the same clock,
 so left alone each rank would choose its own depth and the ranks' forwards would no
 longer match. Here every answer that steers the engine (the depth, whether plain
-decoding is the regime, whether the cycle is held to that depth, whether to calibrate,
-and the estimates a cycle's suffix drafts are planned by: proposers/hybrid_plan.py) is
-rank 0's policy's, shared in one small collective at the point where every rank asks
-it; the other ranks' own policies are only told what happened. A policy's `needs_costs`
-stays no for a batch size once it said no (adaptive.DepthPolicy: calibrated costs are
-kept), so that answer is shared once.
+decoding is the regime, whether to calibrate, and the estimates a cycle's suffix drafts
+are planned by: proposers/hybrid_plan.py) is rank 0's policy's, shared in one small
+collective at the point where every rank asks it; the other ranks' own policies are
+only told what happened. A policy's `needs_costs` stays no for a batch size once it said
+no (adaptive.DepthPolicy: calibrated costs are kept), so that answer is shared once.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ class SharedPolicy(Policy):
         self.max_depth = inner.max_depth
         self.quiet = False  # rank 0 said at the last depth choice that nothing new waits
         self._plain: Optional[bool] = None  # plain_regime, shared with the last depth
-        self._holds = False  # holds_cycle, shared with the last depth
         self._costs_known: set = set()  # batch sizes needs_costs said no for (it stays no)
 
     @property
@@ -49,14 +47,11 @@ class SharedPolicy(Policy):
         mine = None
         if self.channel.leader:
             mine = [self.inner.choose(batch_size, limit, classes, requests), int(self.inner.plain_regime()), int(self.news()),
-                    self.digest(), int(self.inner.holds_cycle())]
-        k, plain, news, digest, holds = self._decided(mine, 5)
+                    self.digest()]
+        k, plain, news, digest = self._decided(mine, 4)
         self.check(digest)
-        self._plain, self.quiet, self._holds = bool(plain), not news, bool(holds)
+        self._plain, self.quiet = bool(plain), not news
         return k
-
-    def holds_cycle(self) -> bool:
-        return self._holds
 
     def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,)) -> Optional[List[float]]:
         depths = range(self.max_depth + 1)

@@ -258,12 +258,6 @@ class DepthPolicy(Policy):
         """Whether the depth in use outside probes is plain decoding (Policy.plain_regime)."""
         return self.regime == 0 and self.why != LEARNING
 
-    def holds_cycle(self) -> bool:
-        """Policy.holds_cycle: a calibration block that suffix cycles have taken the place of for
-        `held_calibration` blocks (a batch size where some row copies at every cycle)."""
-        n = self._calibration.get(self._key, 0)
-        return self.why == CALIBRATING and n > self.cfg.held_calibration * self.cfg.burst
-
     def _because(self, why: str, k: int) -> int:
         self.why = why
         return k

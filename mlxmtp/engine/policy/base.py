@@ -99,12 +99,6 @@ class Policy:
         the head's pending inputs bounded instead of feeding them to the head)."""
         return False
 
-    def holds_cycle(self) -> bool:
-        """Whether the cycle must have the depth just chosen, which no other drafter's plan may
-        change (proposers/hybrid.py): a measurement of that depth's cost that suffix cycles in
-        its place would leave undone for good."""
-        return False
-
     def needs_costs(self, batch_size: int) -> bool:
         """Whether the engine should calibrate cycle costs at this batch size now (once no
         for a batch size, no for good: a distributed engine asks rank 0 only until then)."""

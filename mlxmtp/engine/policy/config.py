@@ -19,7 +19,6 @@ class PolicyConfig:
     learn_drafts: int = 8  # first drafts a class (_learning), a depth (probes.worth_learning) and a request must try
     settled: float = 32.0  # first drafts of a class's own (decayed) past which a request learns only what could pay
     burst: int = 3  # cycles per calibration block / probe without a partner
-    held_calibration: int = 8  # calibration blocks suffix cycles may take the place of, per table (holds_cycle)
     prior_accept: float = 0.5  # acceptance assumed before any draft was tried
     prior_weight: float = 2.0  # pseudo-counts of that prior
     depth_weight: float = 4.0  # pseudo-counts shrinking a depth's acceptance to its class's

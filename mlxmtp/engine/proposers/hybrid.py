@@ -76,9 +76,7 @@ class HybridProposer(Proposer):
     def plan(self, rows: List, k: int, policy, limit: Optional[int]) -> int:
         self.calibration.fade()
         cap = self.max_depth if limit is None else max(0, min(self.max_depth, limit))
-        # A pinned depth is the head's; so is a cycle the policy holds (Policy.holds_cycle: its
-        # calibration of plain decoding and k = 1, where a row copies at every cycle).
-        if cap == 0 or policy.holds_cycle() or any(r.req.num_draft is not None for r in rows):
+        if cap == 0 or any(r.req.num_draft is not None for r in rows):  # a pinned depth is the head's
             self.plan_ = head_only(k)
         else:
             looked = {r.req.id for r in rows if self.lookups.due(r.req.id)}
