@@ -148,10 +148,8 @@ def compile_schema(schema: dict, where: str):
         error = "JSON Schema keywords this server cannot enforce: " + ", ".join(unenforced)
     if not error:
         error = next(filter(None, map(pattern_error, regexes)), "")
-    if not error and not _anything_allowed(matcher):
-        error = "no JSON value satisfies this schema"
     if not error:
-        error = first_steps_error(matcher)
+        error = first_steps_error(matcher, nothing="no JSON value satisfies this schema")
     if error:
         raise APIError(400, f"'{where}' cannot be enforced: {error}", param=where)
     return grammar, matcher
@@ -185,27 +183,24 @@ def pattern_error(regex: str) -> str:
     return f"pattern {regex[:80]!r}: {matcher.get_error().splitlines()[0]}" if matcher.is_error() else ""
 
 
-def first_steps_error(matcher, steps: int = 8) -> str:
-    """Why the grammar stops holding within its first `steps` tokens ("" if it holds), walked on
-    a copy along the first allowed token that is more than whitespace. llguidance bounds the work
-    of a step (the items of an Earley row, the tokens a step forces), and a wide or endless schema
-    meets those bounds at once: an object of 500 optional properties after its `{`, a forced call
-    whose required property holds its own object. Found here, that is a 400 naming the field;
-    met further into the answer, the request fails (grammar_mask.GrammarError, a 400 too)."""
+def first_steps_error(matcher, steps: int = 8, nothing: str = "") -> str:
+    """Why the grammar stops holding within its first `steps` tokens ("" if it holds; `nothing`
+    where its first step allows no token but the end of text), walked on a copy along the first
+    allowed token that is more than whitespace. llguidance bounds the work of a step (the items
+    of an Earley row, the tokens a step forces), and a wide or endless schema meets those bounds
+    at once: an object of 500 optional properties after its `{`, a forced call whose required
+    property holds its own object. Found here, that is a 400 naming the field; met further into
+    the answer, the request fails (grammar_mask.GrammarError, a 400 too)."""
     walk, tok = matcher.deep_copy(), SERVED_MODEL["tok"]
-    for _ in range(steps):
+    for step in range(steps):
         allowed = np.flatnonzero(allowed_tokens(walk, SERVED_MODEL["vocab_size"])).tolist()
         allowed = [t for t in allowed if t not in tok.eos_token_ids]
+        if step == 0 and not allowed and nothing:
+            return nothing
         if walk.is_error() or not allowed:
             break
         walk.consume_token(next((t for t in allowed if tok.decode([t]).strip()), allowed[0]))
     return walk.get_error().splitlines()[0] if walk.is_error() else ""
-
-
-def _anything_allowed(matcher) -> bool:
-    """Whether the grammar lets the answer start: some token other than the end of text."""
-    allowed = np.flatnonzero(allowed_tokens(matcher, SERVED_MODEL["vocab_size"])).tolist()
-    return bool(set(allowed) - set(SERVED_MODEL["tok"].eos_token_ids))
 
 
 def hold_to_schema(req, tok, schema: dict, where: str, in_think: bool) -> None:
