@@ -611,7 +611,7 @@ def test_plain_decoding_measured_apart_from_the_drafting_depths_is_measured_agai
     table.add(1, 1.3, 45)
     table.add(2, 1.6, 46)  # the (1, 2) group is the better measured; prices stay relative to plain's
     assert 1 not in table.log_costs() and table.costs([0])[0] is not None
-    pol.cycles = 50
+    pol.cycles = pol.reported = 50
     chosen = []
     for _ in range(8):
         k = pol.choose(1, classes=["greedy"])
@@ -826,3 +826,26 @@ def test_a_price_one_probe_measured_is_checked_before_it_keeps_plain_decoding_on
     chosen, tps = simulate(_dear_first_probe(2, 4, 1.2), accept, cycles=400, seed=seed, batch=4, noise=0.05)
     assert any(k >= 3 for k in chosen[:150])
     assert tps / 4 > 0.93 * best
+
+
+def test_every_switch_of_a_calibration_block_measures_the_anchors(fixture_model):
+    # Blocks of 3 plain cycles and 3 of k = 1: each switch, either way, gives one ratio of the two.
+    # Into drafting, the last plain cycle is read early (a drain) and the first drafting one is a
+    # switch: neither is timed, and the two timed neighbours are 3 cycles apart. With `max_gap` at
+    # 2 only every other switch was measured: 17 calibrating cycles here where 11 do.
+    from engine_helpers import loaded, prompt_of
+
+    from mlxmtp.engine.batch import BatchGenerator
+    from mlxmtp.engine.request import Request
+
+    model, tok, _ = loaded(str(fixture_model("qwen3_5")["hf"]))
+    eng = BatchGenerator(model, tok)
+    eng.policy = policy = DepthPolicy(config=PolicyConfig(calibrate=False))
+    whys = []
+    choose = policy.choose
+    policy.choose = lambda *a, **kw: (choose(*a, **kw), whys.append(policy.why))[0]
+    eng.submit(Request(prompt=prompt_of(12), max_tokens=40))
+    while eng.has_work:
+        eng.step()
+    assert whys[0] == "calibrating" and "calibrating" not in whys[12:]
+    assert policy._costs((1, GREEDY)).samples(0) >= 3

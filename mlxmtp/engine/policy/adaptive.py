@@ -64,7 +64,11 @@ class DepthPolicy(Policy):
                                  cfg.request_weight)
         self.costs: Dict[Tuple[int, str], CycleCosts] = {}  # per cost_key: batch bucket and kind
         self.switch = SwitchCosts(cfg.window)  # in plain cycles, per cost_key
-        self.cycles = 0
+        self.cycles = 0  # choices made
+        # Cycles reported (`update`): what CycleCosts counts neighbours in. Not `cycles`: a pipelined
+        # cycle is reported after the next one is chosen, a synchronous one before, and a cycle
+        # with no room to draft is reported but not counted as a choice.
+        self.reported = 0
         self.regime = 0  # the depth chosen on merit (not a probe, not learning), for the table in use (`_key`)
         self._key: Optional[Tuple[int, str]] = None  # the cost_key of the last choice
         self._regimes: Dict[Tuple[int, str], int] = {}  # the regime of every other table
@@ -282,5 +286,6 @@ class DepthPolicy(Policy):
         if k > 0 and steady and head:
             self.accept.record(k, kept_per_row, classes or [None] * len(kept_per_row), requests,
                                chances if self.cfg.keep_chances else None)
+        self.reported += 1
         if seconds is not None and seconds > 0:
-            self._costs(key).add(k, seconds, self.cycles)
+            self._costs(key).add(k, seconds, self.reported)

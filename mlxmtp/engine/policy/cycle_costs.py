@@ -6,7 +6,8 @@ seconds, or in units of a smoothed machine speed, drifts with those jumps; and s
 depth in use is measured far more often than the others, the drift ends up deciding.
 So only ratios between neighbours are kept: a timed cycle of depth k right after one of
 depth j (at most `max_gap` cycles back: the engine does not time the first cycle after a
-switch between plain and drafting cycles) gives one sample of log(c_k / c_j). The samples
+switch between plain and drafting cycles, nor, into drafting, the last plain cycle, read
+early) gives one sample of log(c_k / c_j). The samples
 of all measured pairs are reconciled into log-costs relative to one another by least
 squares (a handful of depths, solved by a few sweeps). Drafting depths that no pair
 reaches are priced by a straight line a + b*k through the ones that are.
@@ -27,7 +28,7 @@ CHI2_1_MEDIAN = 0.455  # the median of a chi-square with one degree of freedom
 
 
 class CycleCosts:
-    def __init__(self, window: int = 9, max_gap: int = 2):
+    def __init__(self, window: int = 9, max_gap: int = 3):
         self.window = window
         self.max_gap = max_gap
         self.pairs: Dict[Tuple[int, int], Deque[float]] = {}  # (j, k), j < k -> samples of log(c_k / c_j)
