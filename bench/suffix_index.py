@@ -10,8 +10,10 @@ file, then that block with two lines changed and one added, in Qwen3-Coder XML: 
 `edit-json` (the same call with JSON arguments, as Hermes-style templates write it: the block
 escaped), `fresh` (a file the prompt does not hold: nothing to copy but idioms). Each runs with
 the request's own index alone and with a shared index that holds the rest of the repository as
-earlier outputs; `edit-json` also with the prompt's JSON view beside it (`+view`,
-proposers/suffix.json_view).
+earlier outputs; the two Edit calls also with the prompt's views beside it (`+views`,
+proposers/views.py: the prompt as a JSON string, its numbered listings without their numbers).
+Then the Edit calls again, the file to edit read with its lines numbered as Claude Code's Read
+tool shows them (`cat -n`: `     1\tline`).
 
 Printed per output: tokens per cycle (the speed-up bound at a free verify), the share of
 cycles with a draft, the mean draft length, acceptance (kept / drafted tokens), the mean
@@ -32,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from mlxmtp.engine.proposers.suffix import json_view
+from mlxmtp.engine.proposers.views import prompt_views
 from mlxmtp.engine.suffix_index import SharedOutputs, SuffixDrafter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,9 +68,15 @@ def _files(exclude) -> list:
     return [p for p in sorted((ROOT / "mlxmtp").rglob("*.py")) if p not in exclude]
 
 
-def agent_prompt(tok: Tokenizer, n_tokens: int) -> list:
-    """Files read earlier, then the file to edit, then the request: about n_tokens tokens."""
-    tail = tok("<tool_response>\n" + TARGET.read_text() + "</tool_response>\nRename it and fix it.\n")
+def numbered(text: str) -> str:
+    """`text` as `cat -n` lists it (Claude Code's Read tool)."""
+    return "".join(f"{i:6d}\t{line}" for i, line in enumerate(text.splitlines(keepends=True), 1))
+
+
+def agent_prompt(tok: Tokenizer, n_tokens: int, listed=lambda text: text) -> list:
+    """Files read earlier, then the file to edit (shown as `listed` renders it), then the
+    request: about n_tokens tokens."""
+    tail = tok("<tool_response>\n" + listed(TARGET.read_text()) + "</tool_response>\nRename it and fix it.\n")
     prompt: list = []
     for path in _files({TARGET, FRESH}):
         if len(prompt) + len(tail) >= n_tokens:
@@ -94,9 +102,9 @@ def outputs(tok: Tokenizer) -> dict:
             "fresh": tok(FRESH.read_text())}
 
 
-def simulate(prompt: list, output: list, shared, max_len: int, knobs: dict, view=()) -> dict:
+def simulate(prompt: list, output: list, shared, max_len: int, knobs: dict, views=()) -> dict:
     """One request decoded with a perfect verifier: per cycle, the kept draft + one token."""
-    d = SuffixDrafter(prompt, shared, view=view, **knobs)
+    d = SuffixDrafter(prompt, shared, views=views, **knobs)
     s = Counter()
     t_prop, t_app = [], []
     i = 0
@@ -148,8 +156,8 @@ def merge_cost(prompt: list) -> float:
 
 
 def view_cost(text: str) -> float:
-    """json_view's time, best of 3, over `text` in the demo's tokenizer (a Qwen BPE), capped
-    at VIEW_TOKENS as a request's view is."""
+    """prompt_views' time, best of 3, over `text` in the demo's tokenizer (a Qwen BPE), capped
+    at VIEW_TOKENS as a request's views are."""
     from transformers import AutoTokenizer  # only for this line of the report
 
     from mlxmtp.models.demo import PACKAGED
@@ -159,7 +167,7 @@ def view_cost(text: str) -> float:
     costs = []
     for _ in range(3):
         t0 = time.perf_counter()
-        json_view(real, ids)
+        prompt_views(real, ids)
         costs.append(time.perf_counter() - t0)
     return min(costs)
 
@@ -192,10 +200,15 @@ def main() -> None:
         for name, out in outs.items():
             r = simulate(prompt, out, sh, args.max_len, knobs)
             report(name, r)
-            if name == "edit-json":
-                report("+view", simulate(prompt, out, sh, args.max_len, knobs, json_view(tok, prompt)))
+            if name.startswith("edit"):
+                report("+views", simulate(prompt, out, sh, args.max_len, knobs, prompt_views(tok, prompt)))
             props[label] += r["t_prop"]
             apps[label] += r["t_app"]
+    listed = agent_prompt(tok, args.prompt_tokens, numbered)
+    print("the file to edit read with its lines numbered (cat -n), own index:")
+    for name in ("edit", "edit-json"):
+        report(name, simulate(listed, outs[name], None, args.max_len, knobs))
+        report("+views", simulate(listed, outs[name], None, args.max_len, knobs, prompt_views(tok, listed)))
     print(f"build ({len(prompt)} tokens): best {min(builds) * 1e3:.1f} ms, median "
           f"{statistics.median(builds) * 1e3:.1f} ms; {d.index.nbytes / d.index.tokens:.1f} bytes/token "
           f"(request index), {shared.nbytes / shared.tokens:.1f} bytes/token (shared)")
@@ -203,7 +216,8 @@ def main() -> None:
     for label in props:
         print(f"propose, {label:6s}: {_us(props[label])}")
         print(f"append,  {label:6s}: {_us(apps[label])}")
-    print(f"JSON view of the prompt with the demo's tokenizer: {view_cost(tok.decode(prompt)) * 1e3:.1f} ms")
+    for label, p in (("", prompt), (" (file numbered)", listed)):
+        print(f"views of the prompt{label} with the demo's tokenizer: {view_cost(tok.decode(p)) * 1e3:.1f} ms")
     adds = []
     for _ in range(3):
         t0 = time.perf_counter()

@@ -113,7 +113,7 @@ def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
 
     from transformers import AutoTokenizer
 
-    from mlxmtp.engine.proposers.suffix import json_view
+    from mlxmtp.engine.proposers.views import prompt_views
     from mlxmtp.models import demo
 
     tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
@@ -124,9 +124,66 @@ def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
     rest = tok.encode(call[call.index("Rect") + 4 : call.index("return") + 6])
     row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=prompt), tokens=prompt + said)
 
-    proposer = SuffixProposer(len(tok), view=lambda p: json_view(tok, p))
+    proposer = SuffixProposer(len(tok), views=lambda p: prompt_views(tok, p))
     assert proposer.proposal(row, 32).tokens[: len(rest)] == rest
     assert proposer.states[1].drafter.output() == said  # the view is never output to share
+    alone = SuffixProposer(len(tok)).proposal(row, 32)
+    assert alone.tokens[: len(rest)] != rest
+
+
+CODE = 'def area(width, height):\n    """Rectangle."""\n    return width * height\n\n\nclass Box:\n    pass\n'
+LISTED = {  # how agents' Read tools number a file's lines
+    "cat -n (Claude Code)": lambda i, line: f"{i:6d}\t{line}",
+    "flush left (Claude Code 2.1)": lambda i, line: f"{i}\t{line}",
+    "arrow (Claude Code before)": lambda i, line: f"{i:6d}→{line}",
+    "bar (OpenCode)": lambda i, line: f"{i:05d}| {line}",
+}
+
+
+def _listing(style: str, code: str = CODE, first: int = 1) -> str:
+    return "".join(LISTED[style](i, line) for i, line in enumerate(code.splitlines(keepends=True), first))
+
+
+@pytest.mark.parametrize("style", LISTED)
+def test_a_numbered_listing_is_viewed_without_its_numbers(style):
+    from mlxmtp.engine.proposers.views import numbered_listings
+
+    text = f"Read 7 lines\n{_listing(style, first=9)}Shown 9-15.\n2 of 3\n"
+    assert numbered_listings(text) == [CODE]
+    assert numbered_listings(text + _listing(style, "a\nb\nc\n", 40)) == [CODE, "a\nb\nc\n"]
+
+
+def test_lines_that_only_look_numbered_are_left_alone():
+    from mlxmtp.engine.proposers.views import numbered_listings
+
+    assert numbered_listings("1\tone\n2\ttwo\n") == []  # two lines are no listing
+    assert numbered_listings("10\ta\n20\tb\n30\tc\n40\td\n") == []  # not consecutive
+    assert numbered_listings("1 apple\n2 pears\n3 plums\n") == []  # no separator of a listing
+
+
+@pytest.mark.parametrize("arguments", ["xml", "json"])
+def test_a_file_read_with_numbered_lines_is_drafted_across_lines(arguments):
+    """A Read tool showed the file with its lines numbered; the Edit call copies it without
+    them, raw (Qwen3-Coder XML) or JSON-escaped (Hermes): with the prompt's views indexed, a
+    copy under way (its first line written) is drafted on across the next lines; with the
+    prompt alone the draft runs into the next line's number."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from mlxmtp.engine.proposers.views import prompt_views
+    from mlxmtp.models import demo
+
+    tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
+    prompt = tok.encode(f"<tool_response>\n{_listing('cat -n (Claude Code)')}</tool_response>\n")
+    call = ('<function=Edit>\n<parameter=old_string>\n' + CODE if arguments == "xml"
+            else '{"name": "Edit", "arguments": {"old_string": "' + json.dumps(CODE)[1:-1])
+    said = tok.encode(call[: call.index("Rect") + 4])
+    rest = tok.encode(call[call.index("Rect") + 4 : call.index("class")])
+    row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=prompt), tokens=prompt + said)
+
+    proposer = SuffixProposer(len(tok), views=lambda p: prompt_views(tok, p))
+    assert proposer.proposal(row, 32).tokens[: len(rest)] == rest
     alone = SuffixProposer(len(tok)).proposal(row, 32)
     assert alone.tokens[: len(rest)] != rest
 
@@ -147,3 +204,17 @@ def test_a_loop_is_drafted_on_past_the_end_of_the_text():
     assert proposal(looping, 32).tokens == ([5, 6, 7] * 8)[:21]  # the match: 21 tokens
     once = [1, 2, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # "5 6 7" came once before: no loop yet
     assert proposal(once, 16).tokens == [8, 9, 5, 6]  # as long as its 4-token match
+
+
+def test_the_engine_drafts_from_its_prompts_views_and_stays_exact():
+    """The engine's suffix drafter renders each prompt with the engine's tokenizer: a prompt
+    holding a numbered listing is viewed without its numbers, and decodes mlx-lm's greedy
+    tokens beside the head."""
+    from mlxmtp.models.demo import demo_model_path
+
+    model, tok, ref = loaded(str(demo_model_path()))
+    prompt = tok.encode(f"# geometry.py\n{_listing('cat -n (Claude Code)')}\n# geometry.py, again:\ndef area(width")
+    eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, suffix_drafts=True))
+    assert tok.encode(CODE) in eng.proposer.suffix.views(prompt)
+    got, _ = _run(eng, [Request(prompt=prompt, max_tokens=N)], lambda r, steps, done: True)
+    assert got == [reference_greedy(ref, prompt, N)]

@@ -136,14 +136,17 @@ class SharedOutputs:
 
 class SuffixDrafter:
     """One request's suffix drafter: an index over its prompt and output (append each emitted
-    token), over another rendering of its prompt (`view`: JSON-escaped, as a tool call's string
-    argument copies it; never output) and the server's shared outputs (`finish` adds this one's)."""
+    token), over other renderings of its prompt (`views`: JSON-escaped, as a tool call's string
+    argument copies it; a Read tool's listing without its line numbers: proposers/views.py;
+    never output) and the server's shared outputs (`finish` adds this one's)."""
 
-    def __init__(self, prompt: Sequence[int], shared: Optional[SharedOutputs] = None, *, view: Sequence[int] = (),
+    def __init__(self, prompt: Sequence[int], shared: Optional[SharedOutputs] = None, *, views: Sequence[Sequence[int]] = (),
                  min_match: int = 2, max_match: int = MAX_MATCH, spec_factor: float = 1.0,
                  spec_offset: float = 0.0, min_prob: float = 0.1, live_max: int = 1024) -> None:
         self.index = TokenIndex(prompt, min_match, max_match, live_max)
-        self.view = TokenIndex(view, min_match, max_match, live_max=0) if len(view) else None
+        self.view = TokenIndex(min_match=min_match, max_match=max_match, live_max=0) if len(views) else None
+        for view in views:  # one index, each rendering its own sequence: no match crosses two
+            self.view.extend(view, separate=True)
         self.prompt_len, self.shared = len(prompt), shared
         self.max_match, self.spec_factor, self.spec_offset = max_match, spec_factor, spec_offset
         self.min_prob = min_prob

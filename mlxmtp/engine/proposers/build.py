@@ -10,7 +10,8 @@ from ..pieces import ModelPieces
 from .base import Proposer
 from .hybrid import HybridProposer
 from .mtp import MTPProposer
-from .suffix import SuffixProposer, json_view
+from .suffix import SuffixProposer
+from .views import prompt_views
 
 
 def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
@@ -26,7 +27,7 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     def suffix() -> SuffixProposer:
         tok = engine.tokenizer
         return SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share,
-                              view=lambda prompt: json_view(tok, prompt) if tok is not None else [])
+                              views=lambda prompt: prompt_views(tok, prompt) if tok is not None else [])
 
     if engine.config.draft_source == "suffix":
         return suffix()

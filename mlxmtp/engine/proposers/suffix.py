@@ -18,17 +18,13 @@ before each proposal from the row itself, which also covers a row that was sent 
 wait and resumed. A request that left the batch hands its output (never its prompt) to the
 shared index of recent outputs and its state is dropped.
 
-A tool call whose arguments are JSON (Hermes-style templates: Qwen3, Qwen3-Next) copies a
-file it read as a JSON string: every newline and quote escaped, so the copy matches the
-prompt only between two escapes, a line at most. `json_view` renders the prompt's tail as
-such a string and tokenizes it: indexed beside the prompt (suffix_index.SuffixDrafter's
-`view`), it lets a draft run on across lines. A draft is verified like any other: a view
-that tokenizes differently from what the model writes costs acceptance, never the text.
+An agent copies what it read, but not always as it read it (JSON-escaped into a tool
+call's arguments; without the line numbers its Read tool showed): views.py renders the
+prompt those ways, and the drafter indexes the renderings beside the prompt.
 """
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional
 
@@ -39,17 +35,6 @@ from .base import Drafts, Picker, Proposer, point_mass
 
 SHARED_TOKENS = 1 << 18  # recent outputs kept for every request to draft from (16 bytes a token)
 _REMEMBERED = 4096  # requests whose share of the shared index is remembered (drop_absent)
-VIEW_TOKENS = 1 << 15  # the prompt's last tokens a view renders (built once a request; cost: BENCHMARKS.md)
-_ESCAPED = ('"', "\\", "\n", "\t", "\r")
-
-
-def json_view(tokenizer, prompt: List[int]) -> List[int]:
-    """The tokens of the prompt's last VIEW_TOKENS tokens written as a JSON string's inside
-    (json.dumps, non-ASCII kept as is, as models write it); none where that changes nothing."""
-    text = tokenizer.decode(list(prompt[-VIEW_TOKENS:]))
-    if not any(c in text for c in _ESCAPED):
-        return []
-    return list(tokenizer.encode(json.dumps(text, ensure_ascii=False)[1:-1], add_special_tokens=False))
 
 
 def around_the_loop(draft: Draft, tokens: List[int], max_len: int) -> Draft:
@@ -76,8 +61,8 @@ def padded(draft: List[int], row, k: int) -> List[int]:
 class _RowState:
     """One request's drafter and how many of its row's tokens it has indexed."""
 
-    def __init__(self, prompt: List[int], shared: Optional[SharedOutputs], view: List[int]):
-        self.drafter = SuffixDrafter(prompt, shared, view=view)
+    def __init__(self, prompt: List[int], shared: Optional[SharedOutputs], views: List[List[int]]):
+        self.drafter = SuffixDrafter(prompt, shared, views=views)
         self.held = len(prompt)
 
 
@@ -86,9 +71,9 @@ class SuffixProposer(Proposer):
     source = "suffix"
 
     def __init__(self, vocab_size: int, share: bool = True, shared_tokens: int = SHARED_TOKENS,
-                 view: Callable[[List[int]], List[int]] = lambda prompt: []):
+                 views: Callable[[List[int]], List[List[int]]] = lambda prompt: []):
         self.vocab_size = vocab_size
-        self.view = view  # prompt -> another rendering of it to draft from (json_view)
+        self.views = views  # prompt -> other renderings of it to draft from (views.prompt_views)
         self.shared = self.shared_index = SharedOutputs(shared_tokens) if share else None
         self.states: Dict[int, _RowState] = {}
         # Request id -> output tokens it has added to the shared index, for the latest requests.
@@ -119,7 +104,7 @@ class SuffixProposer(Proposer):
         state = self.states.get(row.req.id)
         if state is None:
             prompt = list(row.req.prompt)
-            state = self.states[row.req.id] = _RowState(prompt, self.shared, self.view(prompt))
+            state = self.states[row.req.id] = _RowState(prompt, self.shared, self.views(prompt))
         if len(row.tokens) > state.held:
             state.drafter.extend(row.tokens[state.held:])
             state.held = len(row.tokens)
