@@ -136,7 +136,8 @@ LISTED = {  # how agents' Read tools number a file's lines
     "cat -n (Claude Code)": lambda i, line: f"{i:6d}\t{line}",
     "flush left (Claude Code 2.1)": lambda i, line: f"{i}\t{line}",
     "arrow (Claude Code before)": lambda i, line: f"{i:6d}→{line}",
-    "bar (OpenCode)": lambda i, line: f"{i:05d}| {line}",
+    "colon (OpenCode)": lambda i, line: f"{i}: {line}",
+    "bar (OpenCode before)": lambda i, line: f"{i:05d}| {line}",
 }
 
 

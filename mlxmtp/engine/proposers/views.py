@@ -1,11 +1,11 @@
-"""Other renderings of a prompt for the suffix drafter to draft from (issue 44).
+r"""Other renderings of a prompt for the suffix drafter to draft from (issue 44).
 
 An agent copies what it read, but not always as it read it:
 - a tool call whose arguments are JSON (Hermes-style templates: Qwen3, Qwen3-Next) copies a
   file as a JSON string: every newline and quote escaped, so the copy matches the prompt
   only between two escapes, a line at most;
-- a file read through an agent's Read tool comes back with its lines numbered (`cat -n`:
-  Claude Code's `     1\tline` or `1\tline`, its older `     1→line`; OpenCode's
+- a file read through an agent's Read tool comes back with its lines numbered (as `cat -n`
+  does: Claude Code's `1\tline`, its older `     1→line`; OpenCode's `1: line`, its older
   `00001| line`), and the `old_string` of the Edit that follows copies the lines without
   their numbers: the copy matches a line at most again.
 
