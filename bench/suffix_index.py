@@ -8,12 +8,14 @@ tokens that reads other files and then the file to edit. Outputs: `rewrite` (the
 identifier renamed and every 15th line replaced), `edit` (an Edit call: a 40-line block of the
 file, then that block with two lines changed and one added, in Qwen3-Coder XML: raw text),
 `edit-json` (the same call with JSON arguments, as Hermes-style templates write it: the block
-escaped), `fresh` (a file the prompt does not hold: nothing to copy but idioms). Each runs with
-the request's own index alone and with a shared index that holds the rest of the repository as
-earlier outputs; the two Edit calls also with the prompt's views beside it (`+views`,
-proposers/views.py: the prompt as a JSON string, its numbered listings without their numbers).
-Then the Edit calls again, the file to edit read with its lines numbered as Claude Code's Read
-tool shows them (`cat -n`: `     1\tline`).
+escaped), `patch` (the same change as Codex's apply_patch writes it: two hunks, three lines
+kept on each side, raw), `patch-json` (that patch in a shell call's JSON arguments), `fresh` (a
+file the prompt does not hold: nothing to copy but idioms). Each runs with the request's own
+index alone and with a shared index that holds the rest of the repository as earlier outputs;
+the Edit calls and patches also with the prompt's views beside it (`+views`, proposers/views.py:
+the prompt as a JSON string, its numbered listings without their numbers; for a patch, its
+lines behind " " and "-" too). Then those again, the file to edit read with its lines numbered
+as Claude Code's Read tool shows them (`cat -n`: `     1\tline`).
 
 Printed per output: tokens per cycle (the speed-up bound at a free verify), the share of
 cycles with a draft, the mean draft length, acceptance (kept / drafted tokens), the mean
@@ -34,7 +36,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from mlxmtp.engine.proposers.views import prompt_views
+from mlxmtp.engine.proposers.views import PromptViews
 from mlxmtp.engine.suffix_index import SharedOutputs, SuffixDrafter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,8 +100,20 @@ def outputs(tok: Tokenizer) -> dict:
     edit = ('<tool_call>\n<function=Edit>\n<parameter=old_string>\n' + "".join(block)
             + '</parameter>\n<parameter=new_string>\n' + "".join(new) + '</parameter>\n</function>\n')
     as_json = json.dumps({"name": "Edit", "arguments": {"old_string": "".join(block), "new_string": "".join(new)}})
+    hunks = [(block[7:10], block[10:11], new[10:12], block[11:14]), (block[27:30], block[30:31], [other[7]], block[31:34])]
+    patch = "*** Begin Patch\n*** Update File: mlxmtp/engine/prefix/cache.py\n" + "".join(
+        "@@\n" + "".join(" " + x for x in before) + "".join("-" + x for x in gone) + "".join("+" + x for x in added)
+        + "".join(" " + x for x in after) for before, gone, added, after in hunks) + "*** End Patch\n"
+    shell = json.dumps({"name": "shell", "arguments": {"command": ["apply_patch", patch]}})
     return {"rewrite": tok(rewrite), "edit": tok(edit), "edit-json": tok(f"<tool_call>\n{as_json}\n</tool_call>"),
-            "fresh": tok(FRESH.read_text())}
+            "patch": tok(patch), "patch-json": tok(f"<tool_call>\n{shell}\n</tool_call>"), "fresh": tok(FRESH.read_text())}
+
+
+def views_of(tok, prompt: list, name: str) -> list:
+    """The views a request writing output `name` indexes: a patch's once it starts one."""
+    views = PromptViews(tok)
+    return views.first(prompt) + (views.for_patch(prompt, name.endswith("json"))
+                                  if name.startswith("patch") else [])
 
 
 def simulate(prompt: list, output: list, shared, max_len: int, knobs: dict, views=()) -> dict:
@@ -155,21 +169,24 @@ def merge_cost(prompt: list) -> float:
     return min(costs)
 
 
-def view_cost(text: str) -> float:
-    """prompt_views' time, best of 3, over `text` in the demo's tokenizer (a Qwen BPE), capped
-    at VIEW_TOKENS as a request's views are."""
+def view_cost(text: str) -> dict:
+    """The time of a request's first views and of its patch views, best of 3 each, over
+    `text` in the demo's tokenizer (a Qwen BPE), capped at VIEW_TOKENS as a request's views are."""
     from transformers import AutoTokenizer  # only for this line of the report
 
     from mlxmtp.models.demo import PACKAGED
 
     real = AutoTokenizer.from_pretrained(str(PACKAGED))
     ids = real.encode(text)
-    costs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        prompt_views(real, ids)
-        costs.append(time.perf_counter() - t0)
-    return min(costs)
+    views, costs = PromptViews(real), {}
+    for name, build in (("first", views.first), ("for_patch", lambda ids: views.for_patch(ids, True))):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            build(ids)
+            times.append(time.perf_counter() - t0)
+        costs[name] = min(times)
+    return costs
 
 
 def main() -> None:
@@ -200,15 +217,15 @@ def main() -> None:
         for name, out in outs.items():
             r = simulate(prompt, out, sh, args.max_len, knobs)
             report(name, r)
-            if name.startswith("edit"):
-                report("+views", simulate(prompt, out, sh, args.max_len, knobs, prompt_views(tok, prompt)))
+            if name.startswith(("edit", "patch")):
+                report("+views", simulate(prompt, out, sh, args.max_len, knobs, views_of(tok, prompt, name)))
             props[label] += r["t_prop"]
             apps[label] += r["t_app"]
     listed = agent_prompt(tok, args.prompt_tokens, numbered)
     print("the file to edit read with its lines numbered (cat -n), own index:")
-    for name in ("edit", "edit-json"):
+    for name in ("edit", "edit-json", "patch", "patch-json"):
         report(name, simulate(listed, outs[name], None, args.max_len, knobs))
-        report("+views", simulate(listed, outs[name], None, args.max_len, knobs, prompt_views(tok, listed)))
+        report("+views", simulate(listed, outs[name], None, args.max_len, knobs, views_of(tok, listed, name)))
     print(f"build ({len(prompt)} tokens): best {min(builds) * 1e3:.1f} ms, median "
           f"{statistics.median(builds) * 1e3:.1f} ms; {d.index.nbytes / d.index.tokens:.1f} bytes/token "
           f"(request index), {shared.nbytes / shared.tokens:.1f} bytes/token (shared)")
@@ -217,7 +234,9 @@ def main() -> None:
         print(f"propose, {label:6s}: {_us(props[label])}")
         print(f"append,  {label:6s}: {_us(apps[label])}")
     for label, p in (("", prompt), (" (file numbered)", listed)):
-        print(f"views of the prompt{label} with the demo's tokenizer: {view_cost(tok.decode(p)) * 1e3:.1f} ms")
+        costs = view_cost(tok.decode(p))
+        print(f"views of the prompt{label} with the demo's tokenizer: first {costs['first'] * 1e3:.1f} ms, "
+              f"for a patch {costs['for_patch'] * 1e3:.1f} ms")
     adds = []
     for _ in range(3):
         t0 = time.perf_counter()

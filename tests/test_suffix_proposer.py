@@ -113,7 +113,7 @@ def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
 
     from transformers import AutoTokenizer
 
-    from mlxmtp.engine.proposers.views import prompt_views
+    from mlxmtp.engine.proposers.views import PromptViews
     from mlxmtp.models import demo
 
     tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
@@ -124,7 +124,7 @@ def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
     rest = tok.encode(call[call.index("Rect") + 4 : call.index("return") + 6])
     row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=prompt), tokens=prompt + said)
 
-    proposer = SuffixProposer(len(tok), views=lambda p: prompt_views(tok, p))
+    proposer = SuffixProposer(len(tok), views=PromptViews(tok))
     assert proposer.proposal(row, 32).tokens[: len(rest)] == rest
     assert proposer.states[1].drafter.output() == said  # the view is never output to share
     alone = SuffixProposer(len(tok)).proposal(row, 32)
@@ -172,7 +172,7 @@ def test_a_file_read_with_numbered_lines_is_drafted_across_lines(arguments):
 
     from transformers import AutoTokenizer
 
-    from mlxmtp.engine.proposers.views import prompt_views
+    from mlxmtp.engine.proposers.views import PromptViews
     from mlxmtp.models import demo
 
     tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
@@ -183,7 +183,7 @@ def test_a_file_read_with_numbered_lines_is_drafted_across_lines(arguments):
     rest = tok.encode(call[call.index("Rect") + 4 : call.index("class")])
     row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=prompt), tokens=prompt + said)
 
-    proposer = SuffixProposer(len(tok), views=lambda p: prompt_views(tok, p))
+    proposer = SuffixProposer(len(tok), views=PromptViews(tok))
     assert proposer.proposal(row, 32).tokens[: len(rest)] == rest
     alone = SuffixProposer(len(tok)).proposal(row, 32)
     assert alone.tokens[: len(rest)] != rest
@@ -207,6 +207,50 @@ def test_a_loop_is_drafted_on_past_the_end_of_the_text():
     assert proposal(once, 16).tokens == [8, 9, 5, 6]  # as long as its 4-token match
 
 
+def test_a_patch_is_noticed_by_its_mark_and_its_escapes_by_the_line_end_before_it():
+    from types import SimpleNamespace
+
+    from mlxmtp.engine.proposers.views import PromptViews
+
+    views = PromptViews(SimpleNamespace(decode="".join))  # a "tokenizer" of characters
+    assert views.patch_start(list('print("a\\n")\n    return x\n')) is None
+    assert views.patch_start(list('    print("a\\n")\n@@\n ')) is False  # raw, a string's escape before it
+    assert views.patch_start(list("+++ b/geo.py\n@@ -1,3 +1,3 @@\n")) is False  # a unified diff
+    assert views.patch_start(list('Begin Patch\\n*** Update File: geo.py\\n@@')) is True  # in a JSON string
+
+
+@pytest.mark.parametrize("arguments", ["raw", "json"])
+def test_a_patch_drafts_the_lines_it_keeps_and_removes_across_lines(arguments):
+    """Codex's apply_patch copies the file's lines behind a mark, " " kept, "-" removed, raw or
+    JSON-escaped in a tool call's arguments: once the output starts a patch (its "@@"), the
+    prompt's lines behind each mark are indexed and a kept line's copy drafts on into the
+    next; before that nothing is built for it, and without the views the draft stops short."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from mlxmtp.engine.proposers.views import PromptViews
+    from mlxmtp.models import demo
+
+    tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
+    prompt = tok.encode(f"<tool_response>\n{_listing('cat -n (Claude Code)')}</tool_response>\n")
+    lines = CODE.splitlines(keepends=True)
+    patch = "*** Begin Patch\n*** Update File: geo.py\n@@\n" + "".join(" " + x for x in lines[:3]) + "-" + lines[5]
+    call = patch if arguments == "raw" else '{"command": ["apply_patch", "' + json.dumps(patch)[1:-1]
+    opening = tok.encode(call[: call.index("*** Update")])
+    said = tok.encode(call[: call.index("Rect") + 4])
+    rest = tok.encode(call[call.index("Rect") + 4 : call.index("return") + 6])
+    proposer = SuffixProposer(len(tok), views=PromptViews(tok))
+    row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=prompt), tokens=prompt + opening)
+    proposer.proposal(row, 32)
+    assert not proposer.states[1].patching
+    row.tokens = prompt + said
+    assert proposer.proposal(row, 32).tokens[: len(rest)] == rest
+    assert proposer.states[1].patching
+    alone = SuffixProposer(len(tok)).proposal(row, 32)
+    assert alone.tokens[: len(rest)] != rest
+
+
 def test_the_engine_drafts_from_its_prompts_views_and_stays_exact():
     """The engine's suffix drafter renders each prompt with the engine's tokenizer: a prompt
     holding a numbered listing is viewed without its numbers, and decodes mlx-lm's greedy
@@ -216,6 +260,6 @@ def test_the_engine_drafts_from_its_prompts_views_and_stays_exact():
     model, tok, ref = loaded(str(demo_model_path()))
     prompt = tok.encode(f"# geometry.py\n{_listing('cat -n (Claude Code)')}\n# geometry.py, again:\ndef area(width")
     eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, suffix_drafts=True))
-    assert tok.encode(CODE) in eng.proposer.suffix.views(prompt)
+    assert tok.encode(CODE) in eng.proposer.suffix.views.first(prompt)
     got, _ = _run(eng, [Request(prompt=prompt, max_tokens=N)], lambda r, steps, done: True)
     assert got == [reference_greedy(ref, prompt, N)]

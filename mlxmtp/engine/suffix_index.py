@@ -144,12 +144,19 @@ class SuffixDrafter:
                  min_match: int = 2, max_match: int = MAX_MATCH, spec_factor: float = 1.0,
                  spec_offset: float = 0.0, min_prob: float = 0.1, live_max: int = 1024) -> None:
         self.index = TokenIndex(prompt, min_match, max_match, live_max)
-        self.view = TokenIndex(min_match=min_match, max_match=max_match, live_max=0) if len(views) else None
-        for view in views:  # one index, each rendering its own sequence: no match crosses two
-            self.view.extend(view, separate=True)
+        self.view: Optional[TokenIndex] = None
         self.prompt_len, self.shared = len(prompt), shared
-        self.max_match, self.spec_factor, self.spec_offset = max_match, spec_factor, spec_offset
+        self.min_match, self.max_match, self.spec_factor, self.spec_offset = min_match, max_match, spec_factor, spec_offset
         self.min_prob = min_prob
+        self.add_views(views)
+
+    def add_views(self, views: Sequence[Sequence[int]]) -> None:
+        """Indexes more renderings of the prompt: one index, each rendering its own sequence
+        (no match crosses two)."""
+        for view in views:
+            if self.view is None:
+                self.view = TokenIndex(min_match=self.min_match, max_match=self.max_match, live_max=0)
+            self.view.extend(view, separate=True)
 
     def append(self, token: int) -> None:
         self.index.append(token)

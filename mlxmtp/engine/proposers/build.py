@@ -11,7 +11,7 @@ from .base import Proposer
 from .hybrid import HybridProposer
 from .mtp import MTPProposer
 from .suffix import SuffixProposer
-from .views import prompt_views
+from .views import PromptViews
 
 
 def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
@@ -27,7 +27,7 @@ def build_proposer(pieces: ModelPieces, engine) -> Optional[Proposer]:
     def suffix() -> SuffixProposer:
         tok = engine.tokenizer
         return SuffixProposer(pieces.parts.args.vocab_size, share=engine.config.suffix_share,
-                              views=lambda prompt: prompt_views(tok, prompt) if tok is not None else [])
+                              views=PromptViews(tok) if tok is not None else None)
 
     if engine.config.draft_source == "suffix":
         return suffix()

@@ -26,14 +26,16 @@ prompt those ways, and the drafter indexes the renderings beside the prompt.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from ..suffix_index import Draft, SharedOutputs, SuffixDrafter
 from .base import Drafts, Picker, Proposer, point_mass
+from .views import PromptViews
 
 SHARED_TOKENS = 1 << 18  # recent outputs kept for every request to draft from (16 bytes a token)
+PATCH_OVERLAP = 8  # tokens before a row's new ones looked at again for a patch's mark (and the line end before it)
 _REMEMBERED = 4096  # requests whose share of the shared index is remembered (drop_absent)
 
 
@@ -59,11 +61,13 @@ def padded(draft: List[int], row, k: int) -> List[int]:
 
 
 class _RowState:
-    """One request's drafter and how many of its row's tokens it has indexed."""
+    """One request's drafter, how many of its row's tokens it has indexed, and whether its
+    output has started a patch (views.PromptViews.for_patch indexed)."""
 
     def __init__(self, prompt: List[int], shared: Optional[SharedOutputs], views: List[List[int]]):
         self.drafter = SuffixDrafter(prompt, shared, views=views)
         self.held = len(prompt)
+        self.patching = False
 
 
 class SuffixProposer(Proposer):
@@ -71,9 +75,9 @@ class SuffixProposer(Proposer):
     source = "suffix"
 
     def __init__(self, vocab_size: int, share: bool = True, shared_tokens: int = SHARED_TOKENS,
-                 views: Callable[[List[int]], List[List[int]]] = lambda prompt: []):
+                 views: Optional[PromptViews] = None):
         self.vocab_size = vocab_size
-        self.views = views  # prompt -> other renderings of it to draft from (views.prompt_views)
+        self.views = views  # other renderings of each prompt to draft from
         self.shared = self.shared_index = SharedOutputs(shared_tokens) if share else None
         self.states: Dict[int, _RowState] = {}
         # Request id -> output tokens it has added to the shared index, for the latest requests.
@@ -104,11 +108,22 @@ class SuffixProposer(Proposer):
         state = self.states.get(row.req.id)
         if state is None:
             prompt = list(row.req.prompt)
-            state = self.states[row.req.id] = _RowState(prompt, self.shared, self.views(prompt))
+            state = self.states[row.req.id] = _RowState(prompt, self.shared, self.views.first(prompt) if self.views else [])
         if len(row.tokens) > state.held:
             state.drafter.extend(row.tokens[state.held:])
+            self._watch_for_patch(state, row)
             state.held = len(row.tokens)
         return state
+
+    def _watch_for_patch(self, state: _RowState, row) -> None:
+        """Indexes the patch views once the row's output (its new tokens and the few before
+        them, where a mark may have begun) starts a patch."""
+        if self.views is None or state.patching:
+            return
+        escaped = self.views.patch_start(row.tokens[max(len(row.req.prompt), state.held - PATCH_OVERLAP):])
+        if escaped is not None:
+            state.drafter.add_views(self.views.for_patch(list(row.req.prompt), escaped))
+            state.patching = True
 
     def drop_absent(self, present: set) -> None:
         """Requests no longer in the batch: their outputs go to the shared index (the engine
