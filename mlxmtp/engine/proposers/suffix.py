@@ -19,8 +19,9 @@ wait and resumed. A request that left the batch hands its output (never its prom
 shared index of recent outputs and its state is dropped.
 
 An agent copies what it read, but not always as it read it (JSON-escaped into a tool
-call's arguments; without the line numbers its Read tool showed): views.py renders the
-prompt those ways, and the drafter indexes the renderings beside the prompt.
+call's arguments; without the line numbers its Read tool showed; behind a patch's marks):
+views.py renders the prompt those ways, and the drafter indexes the renderings beside the
+prompt, a patch's once the row's output starts one.
 """
 
 from __future__ import annotations
