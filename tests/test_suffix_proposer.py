@@ -251,6 +251,26 @@ def test_a_patch_drafts_the_lines_it_keeps_and_removes_across_lines(arguments):
     assert alone.tokens[: len(rest)] != rest
 
 
+def test_a_tokenizer_that_fails_to_render_a_view_costs_the_view_only(caplog):
+    """Views only speed drafting up: a tokenizer that raises while rendering them leaves the
+    row drafting from its prompt and output, with one warning for each kind of view."""
+    from types import SimpleNamespace
+
+    from mlxmtp.engine.proposers.views import PromptViews
+
+    def decode(ids):
+        raise RuntimeError("no such token")
+
+    proposer = SuffixProposer(300, views=PromptViews(SimpleNamespace(decode=decode)))
+    row = SimpleNamespace(req=SimpleNamespace(id=1, prompt=[1, 2, 3, 4, 5, 6]), tokens=[1, 2, 3, 4, 5, 6, 1, 2])
+    with caplog.at_level("WARNING", logger="mlxmtp"):
+        assert proposer.proposal(row, 4).tokens == [3, 4]  # from the prompt, as without views
+        row.tokens += [3, 4]
+        assert proposer.proposal(row, 4).tokens[:2] == [5, 6]
+    assert [r.getMessage().split(" of ")[0] for r in caplog.records] == [
+        "suffix drafts: first", "suffix drafts: patch_start"]
+
+
 def test_the_engine_drafts_from_its_prompts_views_and_stays_exact():
     """The engine's suffix drafter renders each prompt with the engine's tokenizer: a prompt
     holding a numbered listing is viewed without its numbers, and decodes mlx-lm's greedy

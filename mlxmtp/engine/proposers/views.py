@@ -22,9 +22,13 @@ Written here: line numbers are a convention of the agents, not of any tokenizer 
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 from typing import List, Optional, Tuple
+
+log = logging.getLogger("mlxmtp")
 
 VIEW_TOKENS = 1 << 15  # the prompt's last tokens a view renders (built once a request; cost: BENCHMARKS.md)
 MIN_RUN = 3  # consecutively numbered lines that make a numbered listing
@@ -76,6 +80,24 @@ def marked(text: str, mark: str) -> str:
     return "".join(mark + line for line in text.splitlines(keepends=True))
 
 
+def _optional(default):
+    """A view only speeds drafting up: where rendering one raises (a tokenizer's own error),
+    the request drafts without it, and the server logs why once, not every cycle."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args):
+            try:
+                return method(self, *args)
+            except Exception as e:  # noqa: BLE001 - any error here costs speed, never a request
+                if method.__name__ not in self.failed:
+                    self.failed.add(method.__name__)
+                    log.warning("suffix drafts: %s of a prompt failed (%s: %s); drafting without it",
+                                method.__name__, type(e).__name__, e)
+                return default
+        return run
+    return wrap
+
+
 class PromptViews:
     """The renderings of a request's prompt that its suffix drafter indexes: `first`, built
     when the request starts; `for_patch`, once its output starts a patch (`patch_start`), whose
@@ -84,6 +106,7 @@ class PromptViews:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.failed: set = set()  # the methods that have raised (logged once each)
 
     def _tokens(self, texts: List[str]) -> List[List[int]]:
         return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts if t]
@@ -91,6 +114,7 @@ class PromptViews:
     def _text(self, prompt: List[int]) -> str:
         return self.tokenizer.decode(list(prompt[-VIEW_TOKENS:]))
 
+    @_optional([])
     def first(self, prompt: List[int]) -> List[List[int]]:
         """The prompt as a JSON string, its listings without their numbers, raw and as JSON
         strings; none where it changes nothing."""
@@ -98,6 +122,7 @@ class PromptViews:
         listings = numbered_listings(text)
         return self._tokens([*listings, *(json_string(t) for t in [text, *listings] if any(c in t for c in _ESCAPED))])
 
+    @_optional(None)
     def patch_start(self, tokens: List[int]) -> Optional[bool]:
         """None where `tokens` (a row's latest, with a few before them) hold no patch mark;
         else whether the patch is written as a JSON string (its mark follows an escaped line
@@ -106,6 +131,7 @@ class PromptViews:
         found = [text.find(m) for m in PATCH_MARKS if m in text]
         return text[:min(found)].endswith("\\n") if found else None
 
+    @_optional([])
     def for_patch(self, prompt: List[int], escaped: bool) -> List[List[int]]:
         """Every line of the prompt (listings without their numbers) behind " " and behind
         "-", as JSON strings if `escaped`."""
