@@ -497,3 +497,19 @@ def test_suffix_cycles_teach_the_depth_policy_their_cost_and_nothing_else():
     _run(eng, [Request(prompt=again, max_tokens=64)])
     measured = {k for table in eng.policy.costs.values() for k in table.log_costs()}
     assert max(measured) > eng.policy.max_depth, measured
+
+
+def test_a_batch_size_with_no_slope_of_its_own_prices_a_head_step_by_the_one_row_tables():
+    """The start-up calibration measures one row. A batch size reached later has no head
+    cycles of its own measured at first, and a head step beside a copying row's suffix draft
+    was priced at DEFAULT_SLOPE, 0.5 plain cycles, where a large model on an Apple GPU pays
+    ~0.06: the rows writing new code drafted shallow beside the copying ones. The one-row
+    table's slope prices it until the batch size has a slope of its own."""
+    rows, cheap = [GREEDY] * 4, {k: 0.03 * (1 + 0.06 * k) for k in range(5)}
+    policy = DepthPolicy()
+    policy.seed_costs(1, cheap)
+    assert hybrid_plan._costs(policy, 4, rows, [4, 16], 1, 4)[1] == pytest.approx(0.06, rel=0.05)
+    assert hybrid_plan._costs(DepthPolicy(), 4, rows, [4, 16], 1, 4)[1] == hybrid_plan.DEFAULT_SLOPE
+    measured = _costs_measured(4, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0})
+    measured.seed_costs(1, cheap)
+    assert hybrid_plan._costs(measured, 4, rows, [4, 16], 1, 4)[1] == pytest.approx(1.0, rel=0.05)

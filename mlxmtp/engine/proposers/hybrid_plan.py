@@ -18,7 +18,7 @@ so that a long verify that pays by a wide margin is tried rather than priced out
 line through short ones, and one that pays only if it costs no more than a short one is not;
 `DEFAULT_SLOPE` per draft where nothing is measured). The head's rows draft j = min(k, K), the
 policy's choice, or as deep as the head goes within K: the verify covers K positions of every
-row anyway, and a head step costs `step` (the slope of the head's own cycle costs; `extra`:
+row anyway, and a head step costs `step` (the slope of the head's own cycle costs, _head_step; `extra`:
 the steps c(K) does not already price, _head_depths). The plan takes the (K, j) with the
 highest rate among k, the proposals' lengths and the powers of two below them (a doubtful
 long draft may pay cut short), leaving every row on the head enough (fairness.py: FAIR_SHARE of
@@ -208,18 +208,23 @@ def run_chance(match_len: int) -> float:
 
 def _costs(policy, batch_size: int, classes: List[Hashable], depths: List[int], k: int,
            deepest: int) -> Tuple[Dict[int, float], float]:
-    """(c(K) per depth, the price of one head step): the head's depth k as the policy prices it
-    (its choice already allowed for the doubt), any other cautiously (`relative_costs`);
-    DEFAULT_SLOPE where nothing is known. A head step is priced by the slope of the head's
-    own cycles of depths 1..`deepest` (a draft more adds a step and a verified token: an upper
-    bound of the step's cost)."""
+    """(c(K) per depth, the price of one head step, `_head_step`): the head's depth k as the policy
+    prices it (its choice allowed for the doubt), any other cautiously; DEFAULT_SLOPE where unknown."""
     known = policy.relative_costs(batch_size, classes, sorted({*depths, 1, max(deepest, 1)})) or {}
     doubted = policy.relative_costs(batch_size, classes, depths, cautious=True) or {}
     costs = {K: (known if K == k else doubted).get(K) or 1.0 + DEFAULT_SLOPE * K for K in depths}
-    step = DEFAULT_SLOPE
-    if deepest > 1 and known.get(1) and known.get(deepest):
-        step = max(0.0, (known[deepest] - known[1]) / (deepest - 1))
-    return costs, step
+    return costs, _head_step(policy, classes, known, deepest)
+
+
+def _head_step(policy, classes: List[Hashable], known: Dict[int, float], deepest: int) -> float:
+    """The slope of the head's own cycles of depths 1..`deepest` (a draft more: a step and a verified
+    token, an upper bound of a step) in the batch size's table (`known`), else the one-row table's
+    (start-up): a batch size reached later has none at first, and DEFAULT_SLOPE (0.5 plain cycles,
+    an Apple GPU's ~0.06) kept rows writing new code shallow beside copying ones (BENCHMARKS.md)."""
+    for line in (known, policy.relative_costs(1, classes, [1, deepest]) or {}) if deepest > 1 else ():
+        if line.get(1) and line.get(deepest):
+            return max(0.0, (line[deepest] - line[1]) / (deepest - 1))
+    return DEFAULT_SLOPE
 
 
 def _bucket(n: int, shape_stable: bool, cap: int) -> int:
