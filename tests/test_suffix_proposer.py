@@ -133,8 +133,8 @@ def test_a_file_read_earlier_is_drafted_across_lines_inside_a_json_string():
 
 CODE = 'def area(width, height):\n    """Rectangle."""\n    return width * height\n\n\nclass Box:\n    pass\n'
 LISTED = {  # how agents' Read tools number a file's lines
-    "cat -n (Claude Code)": lambda i, line: f"{i:6d}\t{line}",
-    "flush left (Claude Code 2.1)": lambda i, line: f"{i}\t{line}",
+    "cat -n, nl -ba": lambda i, line: f"{i:6d}\t{line}",
+    "flush left (Claude Code)": lambda i, line: f"{i}\t{line}",
     "arrow (Claude Code before)": lambda i, line: f"{i:6d}→{line}",
     "colon (OpenCode)": lambda i, line: f"{i}: {line}",
     "bar (OpenCode before)": lambda i, line: f"{i:05d}| {line}",
@@ -176,7 +176,7 @@ def test_a_file_read_with_numbered_lines_is_drafted_across_lines(arguments):
     from mlxmtp.models import demo
 
     tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
-    prompt = tok.encode(f"<tool_response>\n{_listing('cat -n (Claude Code)')}</tool_response>\n")
+    prompt = tok.encode(f"<tool_response>\n{_listing('flush left (Claude Code)')}</tool_response>\n")
     call = ('<function=Edit>\n<parameter=old_string>\n' + CODE if arguments == "xml"
             else '{"name": "Edit", "arguments": {"old_string": "' + json.dumps(CODE)[1:-1])
     said = tok.encode(call[: call.index("Rect") + 4])
@@ -233,7 +233,7 @@ def test_a_patch_drafts_the_lines_it_keeps_and_removes_across_lines(arguments):
     from mlxmtp.models import demo
 
     tok = AutoTokenizer.from_pretrained(str(demo.PACKAGED))
-    prompt = tok.encode(f"<tool_response>\n{_listing('cat -n (Claude Code)')}</tool_response>\n")
+    prompt = tok.encode(f"<tool_response>\n{_listing('flush left (Claude Code)')}</tool_response>\n")
     lines = CODE.splitlines(keepends=True)
     patch = "*** Begin Patch\n*** Update File: geo.py\n@@\n" + "".join(" " + x for x in lines[:3]) + "-" + lines[5]
     call = patch if arguments == "raw" else '{"command": ["apply_patch", "' + json.dumps(patch)[1:-1]
@@ -278,7 +278,7 @@ def test_the_engine_drafts_from_its_prompts_views_and_stays_exact():
     from mlxmtp.models.demo import demo_model_path
 
     model, tok, ref = loaded(str(demo_model_path()))
-    prompt = tok.encode(f"# geometry.py\n{_listing('cat -n (Claude Code)')}\n# geometry.py, again:\ndef area(width")
+    prompt = tok.encode(f"# geometry.py\n{_listing('flush left (Claude Code)')}\n# geometry.py, again:\ndef area(width")
     eng = BatchGenerator(model, tok, EngineConfig(num_draft=3, suffix_drafts=True))
     assert tok.encode(CODE) in eng.proposer.suffix.views.first(prompt)
     got, _ = _run(eng, [Request(prompt=prompt, max_tokens=N)], lambda r, steps, done: True)
