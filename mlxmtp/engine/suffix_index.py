@@ -138,7 +138,8 @@ class SuffixDrafter:
     """One request's suffix drafter: an index over its prompt and output (append each emitted
     token), over other renderings of its prompt (`views`: JSON-escaped, as a tool call's string
     argument copies it; a Read tool's listing without its line numbers; its lines behind a
-    patch's marks: proposers/views.py; never output) and the server's shared outputs (`finish` adds this one's)."""
+    patch's marks: proposers/views.py; never output) and the server's shared outputs
+    (`finish` adds this one's)."""
 
     def __init__(self, prompt: Sequence[int], shared: Optional[SharedOutputs] = None, *, views: Sequence[Sequence[int]] = (),
                  min_match: int = 2, max_match: int = MAX_MATCH, spec_factor: float = 1.0,

@@ -14,8 +14,9 @@ An agent copies what it read, but not always as it read it:
 `PromptViews` renders the prompt's tail those ways and tokenizes each rendering (the patch's
 only once a row's output starts one, raw or JSON-escaped as the output is: two renderings of
 every line are too dear to build for every request). Indexed beside the prompt
-(suffix_index.SuffixDrafter's `views`), they let a draft run on across lines. A view is never output. Drafts are verified like any other: a view that tokenizes
-differently from what the model writes costs acceptance, never the text.
+(suffix_index.SuffixDrafter's `views`), they let a draft run on across lines. A view is never
+output. Drafts are verified like any other: a view that tokenizes differently from what the
+model writes costs acceptance, never the text.
 
 Written here: line numbers are a convention of the agents, not of any tokenizer or library.
 """
