@@ -24,7 +24,7 @@ from mlxmtp.engine.policy.config import PolicyConfig
 
 
 def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, batch=1, cls=lambda i: None,
-             switch=0.0, by_class=False, calibrated=None, starts=(), config=None, chances=False):
+             switch=0.0, by_class=False, calibrated=None, starts=(), config=None, chances=False, policy=None):
     """Drive a policy with cycles whose cost is cost(k) * speed(i) (`by_class`: cost(k, class)),
     seen through lognormal
     noise, and whose drafts are kept with probability accept (a number, or a list per
@@ -36,9 +36,10 @@ def simulate(cost, accept, cycles=600, speed=lambda i: 1.0, noise=0.1, seed=0, b
     rows are then told apart by request, else by class only); `config`: the policy's
     PolicyConfig; `chances`: each draft's probability of being kept varies from draft to
     draft (a Beta of mean accept whose spread is a fifth of a coin's), and is reported as its
-    keep chance (as sampled rows' are, sampling/accept.keep_chances)."""
+    keep chance (as sampled rows' are, sampling/accept.keep_chances); `policy`: a policy to go
+    on with (else a new one)."""
     rng = random.Random(seed)
-    pol = DepthPolicy(config=config)
+    pol = policy or DepthPolicy(config=config)
     if calibrated is not None:
         pol.seed_costs(batch, calibrated)
     chosen, tokens, seconds = [], 0, 0.0
@@ -849,3 +850,38 @@ def test_every_switch_of_a_calibration_block_measures_the_anchors(fixture_model)
         eng.step()
     assert whys[0] == "calibrating" and "calibrating" not in whys[12:]
     assert policy._costs((1, GREEDY)).samples(0) >= 3
+
+
+# A large model on an Apple GPU, as bench/simulated_device.py's estimate prices it: each
+# draft adds a head step and a verified token, 0.12 plain cycles together.
+CHEAP_COSTS = [1.0, 1.12, 1.24, 1.36, 1.48]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_new_batch_size_calibrates_against_the_depth_its_neighbours_prices_favour(seed):
+    # One row calibrated at start-up and decoded long enough to learn the head's acceptance;
+    # then 4 rows, a table with no prices of its own. Its calibration blocks measure plain
+    # decoding against the depth the one-row table's prices and that acceptance favour (k = 4
+    # here), and the probes that follow start from there.
+    pol = DepthPolicy()
+    simulate(lambda k: CHEAP_COSTS[k], 0.9, cycles=200, seed=seed, calibrated=dict(enumerate(CHEAP_COSTS)),
+             policy=pol)
+    chosen, tps = simulate(lambda k: CHEAP_COSTS[k], 0.9, cycles=60, seed=seed, batch=4, policy=pol)
+    k_best, rates = best_rate(lambda k: CHEAP_COSTS[k], 0.9)
+    assert set(chosen[:15]) == {0, k_best}
+    assert tps / 4 > 0.9 * rates[k_best]  # 0.87 and 0.89 with blocks of k = 1
+
+
+def test_where_drafting_would_not_pay_at_the_nearest_tables_prices_the_calibration_measures_k_1():
+    # k = 1 costs least to try: its blocks are the default where no depth is known to pay.
+    expected = [1.0, 1.9, 2.7, 3.4, 4.0]
+    assert probes.anchor({1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}, expected) == 4
+    assert probes.anchor({1: 1.9, 2: 2.9, 3: 3.9, 4: 4.9}, expected) == 1
+    assert probes.anchor({}, expected) == 1
+
+
+def test_a_climb_starts_from_the_deepest_depth_priced_below_the_best():
+    assert probes.climb(4, {0: 0.0, 1: 0.1}) == 2
+    assert probes.climb(4, {0: 0.0, 2: 0.2}) == 3
+    assert probes.climb(4, {0: 0.0, 3: 0.3}) == 4
+    assert probes.climb(3, {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.3}) == 3

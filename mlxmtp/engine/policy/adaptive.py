@@ -16,9 +16,10 @@ opening apart: base.row_class) and depth, a request's first draft also from its 
 neighbouring cycles, so that the machine's drifting speed cancels (drafting depths never
 measured are priced by a line a + b*k through those that were), and `SwitchCosts` the extra
 cost of a switch from plain decoding to drafting; `probes` plans the cycles spent measuring other
-depths than the chosen one. Plain decoding and k = 1 are measured first, live, in
-alternating blocks; a start-up calibration (engine/policy/calibration.py: the first batch
-bucket only, both kinds) only gives priors, which a live ratio replaces. Until the head's
+depths than the chosen one. Plain decoding and an anchor depth (k = 1, or the one the nearest
+table's prices favour: probes.anchor) are measured first, live, in alternating blocks; a
+start-up calibration (engine/policy/calibration.py: the first batch bucket only, both
+kinds) only gives priors, which a live ratio replaces. Until the head's
 first drafts have been tried a few times, drafting goes on wherever it could pay
 (`_learning`): plain decoding chosen on the prior acceptance alone would never learn
 that the head is good. Likewise a depth's acceptance is its own (what its class's says
@@ -50,7 +51,7 @@ from .config import (
     UNSURE,
     PolicyConfig,
 )
-from .cycle_costs import CycleCosts, SwitchCosts
+from .cycle_costs import CycleCosts, SwitchCosts, nearest_prices
 
 
 class DepthPolicy(Policy):
@@ -73,6 +74,7 @@ class DepthPolicy(Policy):
         self._key: Optional[Tuple[int, str]] = None  # the cost_key of the last choice
         self._regimes: Dict[Tuple[int, str], int] = {}  # the regime of every other table
         self._calibration: Dict[Tuple[int, str], int] = {}  # cost_key -> calibration cycles so far
+        self._anchors: Dict[Tuple[int, str], int] = {}  # cost_key -> the depth its blocks measure (_anchor)
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
@@ -88,9 +90,9 @@ class DepthPolicy(Policy):
 
     def seed_costs(self, batch_size: int, seconds: Dict[int, float], kind: str = GREEDY) -> None:
         """Calibrated seconds per cycle of each depth at this batch size for batches of this kind,
-        as priors (CycleCosts.seed): a start-up calibration on a busy machine can be off by half,
-        so live cycles still measure plain decoding against k = 1 in alternating blocks and probe
-        the other depths; the calibration orders the depths until then, and compiles their kernels."""
+        as priors (CycleCosts.seed): a start-up calibration on a busy machine can be off by half, so
+        live cycles still measure plain decoding against an anchor depth (`_anchor`) in alternating
+        blocks and probe the others; the calibration orders the depths and compiles their kernels."""
         self._costs((bucket(batch_size), kind)).seed(seconds)
 
     def acceptance(self, cls: Hashable, k: int, optimistic: bool = False) -> List[float]:
@@ -134,15 +136,14 @@ class DepthPolicy(Policy):
             return self._because(PROBE, self._plan.pop(0))
         self._plan = []
         costs = {k: c for k, c in self._costs(key).costs(range(cap + 1)).items() if c is not None}  # one fit per cycle
-        # The two anchors first, in alternating blocks (each switch yields one ratio); again
-        # where no chain of measured pairs links k = 1 to plain decoding (neighbouring cycles
-        # of two engines of the model can pair other depths that way).
-        linked = self._costs(key).log_costs()
-        if not (self._calibrated(key, 0) and self._calibrated(key, 1)) or not {0, 1} <= linked.keys():
+        classes = list(classes) if classes else [None]
+        # Plain decoding and the table's anchor first, in alternating blocks (each switch yields one ratio); again
+        # where no chain of measured pairs links them (two engines' neighbouring cycles can pair other depths).
+        a, linked = self._anchor(key, classes, requests), self._costs(key).log_costs()
+        if not (self._calibrated(key, 0) and self._calibrated(key, a)) or not {0, a} <= linked.keys():
             n = self._calibration.get(key, 0)
             self._calibration[key] = n + 1
-            return self._because(CALIBRATING, (n // self.cfg.burst) % 2)
-        classes = list(classes) if classes else [None]
+            return self._because(CALIBRATING, min(cap, a * ((n // self.cfg.burst) % 2)))
         mean, bound = self._rates(costs, classes, requests, False), self._rates(costs, classes, requests, True)
         self._unlearnt = probes.worth_learning(mean, bound, mean.get(self.regime, max(mean.values())), classes,
                                                self.accept.tried_at, self.cfg.learn_drafts)
@@ -165,6 +166,14 @@ class DepthPolicy(Policy):
         if alt is not None:
             return self._because(PROBE, self._start_probe(alt))
         return self._because(why, best)
+
+    def _anchor(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]]) -> int:
+        """The drafting depth a table's calibration blocks measure against plain decoding, chosen when
+        they start (probes.anchor) by the nearest prices and what the batch's rows are expected to keep."""
+        if key not in self._anchors:
+            self._anchors[key] = probes.anchor(nearest_prices(self.costs, key, range(1, self.max_depth + 1)),
+                                               self.expected_tokens(False, classes, requests))
+        return self._anchors[key]
 
     def _learning(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]],
                   bound: Dict[int, float], costs: Dict[int, float], doubt: Dict[int, float]) -> Optional[int]:
@@ -272,7 +281,7 @@ class DepthPolicy(Policy):
         return k
 
     def _probe_plan(self, k: int) -> List[int]:
-        return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0))
+        return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0), self._anchors.get(self._key, 1))
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,

@@ -3,8 +3,8 @@ first needs them (the server: for one row, at start-up; later batch sizes learn 
 from their own cycles, see DepthPolicy.needs_costs).
 
 Without it the policy learns its costs from live cycles alone: blocks of plain decoding
-and k = 1 at the start, then probes of every other depth, each switch paid by real
-requests. Here, on scratch caches (the engine's own state is never touched), the engine's
+and one drafting depth at the start, then probes of every other depth, each switch paid
+by real requests. Here, on scratch caches (the engine's own state is never touched), the engine's
 own calls are timed at a batch of `batch_size` rows, for greedy batches and for batches
 of sampled rows (their draft and accept steps are the engine's sampled ones: per-row
 distributions, random draws, rejection sampling; more work per cycle):

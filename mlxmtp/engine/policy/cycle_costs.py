@@ -59,7 +59,7 @@ class CycleCosts:
         plain decoding, each deeper depth's to k = 1. A prior prices its pair only until a
         timed cycle measures that pair: one measurement at start-up on a busy machine can be
         off by half, and a live ratio is never outvoted by it. Chained this way, the live
-        ratio of k = 1 to plain decoding, measured first, also moves the deeper depths."""
+        ratio of k = 1 to plain decoding, where measured, also moves the deeper depths."""
         for k, c in seconds.items():
             base = 0 if k == 1 else 1
             if k > 0 and seconds.get(base):
@@ -208,6 +208,21 @@ class SwitchCosts:
         """The typical excess of a switch for this table key (0 until one was measured)."""
         samples = self.samples.get(key)
         return statistics.median(samples) if samples else 0.0
+
+
+def nearest_prices(tables: Dict[Tuple[int, str], CycleCosts], key: Tuple[int, str],
+                   depths: Iterable[int]) -> Dict[int, float]:
+    """c(k) / c(0) of `depths` by the table of cost key `key` (batch bucket, kind) if it has
+    prices (a start-up calibration's), else by the nearest batch bucket's table that has, of
+    the same kind first ({} if none has)."""
+    def distance(other: Tuple[int, str]):
+        return other[1] != key[1], abs(math.log2(other[0]) - math.log2(key[0]))
+
+    for other in sorted(tables, key=distance):
+        prices = tables[other].relative(depths)
+        if prices:
+            return prices
+    return {}
 
 
 def _first_guess(links: Dict[int, list], start: int) -> Dict[int, float]:

@@ -18,15 +18,16 @@ from collections import Counter
 from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 
-def plan(k: int, regime: int, burst: int, learn: int = 0) -> List[int]:
+def plan(k: int, regime: int, burst: int, learn: int = 0, anchor: int = 1) -> List[int]:
     """The depths of a probe's cycles at depth k, the first included; `learn`: steady cycles
     of k it must have at least.
 
     A probe measures the cost ratio of its depth to a measured partner's and its
     acceptance in steady state. Ratios come from neighbouring cycles (see cycle_costs), so
     between drafting depths (no switch of mode) its cycles come in pairs around one of the
-    partner: the regime, or k = 1 while the regime is plain decoding (a depth first tried
-    from there would otherwise stay unmeasured for good). Acceptance is counted only in a
+    partner: the regime, or the table's `anchor` (the depth its calibration blocks measured
+    against plain decoding) while the regime is plain decoding (a depth first tried from
+    there would otherwise stay unmeasured for good). Acceptance is counted only in a
     cycle that follows one of the same depth: a depth drafts from other positions than
     the one before it did, and on text where easy and hard tokens follow a pattern the
     first cycle says little.
@@ -36,7 +37,7 @@ def plan(k: int, regime: int, burst: int, learn: int = 0) -> List[int]:
     repeat workload keeps 84% of first drafts at k = 3 and 58% at k = 1). A depth that could
     beat the regime and has tried few drafts of its own (DepthPolicy._worth_learning) is
     probed until it has: two steady cycles at a time, its estimate stays its class's."""
-    partner = regime if k > 0 and regime > 0 else (1 if k > 1 else None)
+    partner = regime if k > 0 and regime > 0 else (anchor if k not in (0, anchor) else None)
     cycles = [k] * burst if partner is None else [k, k, partner, k, k]
     steady = sum(a == b == k for a, b in zip(cycles, cycles[1:]))  # those that teach acceptance
     return cycles + [k] * max(0, learn - steady)
@@ -57,13 +58,28 @@ def worth_learning(mean: Dict[int, float], bound: Dict[int, float], regime: floa
 
 
 def climb(best: int, priced: Dict[int, float]) -> int:
-    """The depth to probe on the way to `best`: the shallowest below it that nothing prices
-    (`priced`: CycleCosts.log_costs) but the line through measured depths, else `best`. A
-    table with no calibration (a batch bucket reached later) has plain decoding and k = 1
-    measured, and the line's guess for deep depths is optimistic: where a verify's cost grows
-    with its tokens (a compute-bound batch) a first probe at k = 4 cost several plain
-    cycles. One depth at a time, each probe corrects the line before a dearer one is tried."""
-    return next((k for k in range(1, best) if k not in priced), best)
+    """The depth to probe on the way to `best`: the one above the deepest depth below it that
+    something prices (`priced`: CycleCosts.log_costs) but the line through measured depths,
+    else `best`. A table with no calibration (a batch bucket reached later) has plain decoding
+    and one drafting depth measured, and the line's guess for deeper depths is optimistic:
+    where a verify's cost grows with its tokens (a compute-bound batch) a first probe at k = 4
+    cost several plain cycles. One depth at a time, each probe corrects the line before a
+    dearer one is tried."""
+    return min(best, 1 + max((k for k in priced if k < best), default=0))
+
+
+def anchor(prices: Dict[int, float], expected: List[float]) -> int:
+    """The drafting depth a table's calibration blocks alternate with plain decoding (1 if
+    nothing better is known): the best by the `expected` tokens (E(k), k = 0..) at `prices`
+    (c(k) / c(0), CycleCosts.relative, of the nearest table measured), where it beats plain
+    decoding. Those prices only choose which depth to measure first; the table's own ratios
+    decide. Where drafting is cheap (a large model on an Apple GPU) blocks of k = 1 learn
+    little and forgo most of what k = 4 makes, and the probes that then climb to it cost
+    more cycles; where plain decoding and a deep depth are a close call (8 rows on the
+    H100), that pair, measured directly, is what decides."""
+    rates = {k: expected[k] / c for k, c in prices.items() if 0 < k < len(expected)}
+    best = max(rates, key=rates.get, default=1)
+    return best if rates.get(best, 0.0) > expected[0] else 1
 
 
 def learning_depth(measured: List[int], bound: Dict[int, float], fresh: bool, thin: bool) -> Optional[int]:
