@@ -4,10 +4,10 @@ from their own cycles, see DepthPolicy.needs_costs).
 
 Without it the policy learns its costs from live cycles alone: blocks of plain decoding
 and one drafting depth at the start, then probes of every other depth, each switch paid
-by real requests. Here, on scratch caches (the engine's own state is never touched), the engine's
-own calls are timed at a batch of `batch_size` rows, for greedy batches and for batches
-of sampled rows (their draft and accept steps are the engine's sampled ones: per-row
-distributions, random draws, rejection sampling; more work per cycle):
+by real requests. Here, on scratch caches (the engine's own state is never touched), the
+engine's own calls are timed at a batch of `batch_size` rows, for greedy batches and for
+batches of sampled rows (their draft and accept steps are the engine's sampled ones:
+per-row distributions, random draws, rejection sampling; more work per cycle):
 - plain decoding as the engine runs it, pipelined (each forward queued before the
   previous token is read);
 - for k = 1..max_depth, drafting cycles as the engine runs them: the head chaining k

@@ -58,9 +58,9 @@ def worth_learning(mean: Dict[int, float], bound: Dict[int, float], regime: floa
 
 
 def climb(best: int, priced: Dict[int, float]) -> int:
-    """The depth to probe on the way to `best`: the one above the deepest depth below it that
-    something prices (`priced`: CycleCosts.log_costs) but the line through measured depths,
-    else `best`. A table with no calibration (a batch bucket reached later) has plain decoding
+    """The depth to probe on the way to `best`: the one just above the deepest depth below it
+    that ratios price (`priced`: CycleCosts.log_costs, live or calibrated), not only the line
+    through measured depths; else `best`. A table with no calibration (a batch bucket reached later) has plain decoding
     and one drafting depth measured, and the line's guess for deeper depths is optimistic:
     where a verify's cost grows with its tokens (a compute-bound batch) a first probe at k = 4
     cost several plain cycles. One depth at a time, each probe corrects the line before a
@@ -75,8 +75,8 @@ def anchor(prices: Dict[int, float], expected: List[float]) -> int:
     decoding. Those prices only choose which depth to measure first; the table's own ratios
     decide. Where drafting is cheap (a large model on an Apple GPU) blocks of k = 1 learn
     little and forgo most of what k = 4 makes, and the probes that then climb to it cost
-    more cycles; where plain decoding and a deep depth are a close call (8 rows on the
-    H100), that pair, measured directly, is what decides."""
+    more cycles; where plain decoding and a deep depth are a close call, that pair,
+    measured directly, is what decides."""
     rates = {k: expected[k] / c for k, c in prices.items() if 0 < k < len(expected)}
     best = max(rates, key=rates.get, default=1)
     return best if rates.get(best, 0.0) > expected[0] else 1
