@@ -885,3 +885,19 @@ def test_a_climb_starts_from_the_deepest_depth_priced_below_the_best():
     assert probes.climb(4, {0: 0.0, 2: 0.2}) == 3
     assert probes.climb(4, {0: 0.0, 3: 0.3}) == 4
     assert probes.climb(3, {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.3}) == 3
+
+
+def test_a_cycle_with_suffix_drafts_pairs_only_with_a_near_neighbour():
+    # Plain and head cycles pair up to 3 reported cycles apart (a switch into drafting leaves two
+    # untimed between them); a cycle with suffix drafts, either side of a pair, only up to 2: paired
+    # further, its neighbours mispriced the head's depths (cycle_costs docstring).
+    table = DepthPolicy()._costs((8, GREEDY))
+    table.add(0, 1.0, 0)
+    table.add(1, 1.5, 3)
+    assert (0, 1) in table.pairs
+    table.add(8, 3.0, 6, head=False)
+    assert (1, 8) not in table.pairs
+    table.add(0, 1.0, 8)
+    table.add(8, 3.0, 11, head=False)
+    table.add(1, 1.5, 14)
+    assert len(table.pairs[(0, 8)]) == 1 and (1, 8) not in table.pairs

@@ -297,4 +297,4 @@ class DepthPolicy(Policy):
                                chances if self.cfg.keep_chances else None)
         self.reported += 1
         if seconds is not None and seconds > 0:
-            self._costs(key).add(k, seconds, self.reported)
+            self._costs(key).add(k, seconds, self.reported, head)

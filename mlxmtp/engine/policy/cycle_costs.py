@@ -7,8 +7,11 @@ depth in use is measured far more often than the others, the drift ends up decid
 So only ratios between neighbours are kept: a timed cycle of depth k right after one of
 depth j (at most `max_gap` cycles back: the engine does not time the first cycle after a
 switch between plain and drafting cycles, nor, into drafting, the last plain cycle, read
-early) gives one sample of log(c_k / c_j). The samples
-of all measured pairs are reconciled into log-costs relative to one another by least
+early) gives one sample of log(c_k / c_j). A cycle with suffix drafts (proposers/hybrid.py)
+pairs only with a neighbour at most `suffix_gap` back, either way: paired three cycles
+apart, those ratios misled the plan, and 8 rows of agents on the H100's costs decoded
+plainly where drafting paid (BENCHMARKS.md). The samples of
+all measured pairs are reconciled into log-costs relative to one another by least
 squares (a handful of depths, solved by a few sweeps). Drafting depths that no pair
 reaches are priced by a straight line a + b*k through the ones that are.
 
@@ -28,30 +31,33 @@ CHI2_1_MEDIAN = 0.455  # the median of a chi-square with one degree of freedom
 
 
 class CycleCosts:
-    def __init__(self, window: int = 9, max_gap: int = 3):
+    def __init__(self, window: int = 9, max_gap: int = 3, suffix_gap: int = 2):
         self.window = window
-        self.max_gap = max_gap
+        self.max_gap, self.suffix_gap = max_gap, suffix_gap
         self.pairs: Dict[Tuple[int, int], Deque[float]] = {}  # (j, k), j < k -> samples of log(c_k / c_j)
         self.priors: Dict[Tuple[int, int], float] = {}  # (j, k) -> log(c_k / c_j) from a calibration
         self.measured_at: Dict[int, int] = {}  # depth -> cycle of its last timed sample
         # Squared log-ratios of neighbouring timed cycles of one depth: the machine's noise
         # in a pair sample, seen in every steady cycle (spread_from_plain).
         self.jitter: Deque[float] = deque(maxlen=4 * window)
-        self._last: Optional[Tuple[int, float, int]] = None  # (depth, log seconds, cycle) of the last timed cycle
+        # (depth, log seconds, cycle, whether the head's own) of the last timed cycle
+        self._last: Optional[Tuple[int, float, int, bool]] = None
         self._solved: Optional[Dict[int, float]] = None
 
-    def add(self, k: int, seconds: float, cycle: int) -> None:
-        """A timed cycle of depth k (`cycle` counts every cycle, timed or not)."""
+    def add(self, k: int, seconds: float, cycle: int, head: bool = True) -> None:
+        """A timed cycle of depth k (`cycle` counts every cycle, timed or not); `head`: False for
+        a cycle with suffix drafts."""
         log_s = math.log(seconds)
         last = self._last
-        if last is not None and last[0] == k and cycle - last[2] <= self.max_gap:
+        near = last is not None and cycle - last[2] <= (self.max_gap if head and last[3] else self.suffix_gap)
+        if near and last[0] == k:
             self.jitter.append((log_s - last[1]) ** 2)
-        elif last is not None and cycle - last[2] <= self.max_gap:
+        elif near:
             j, log_j = last[0], last[1]
             key, d = ((j, k), log_s - log_j) if j < k else ((k, j), log_j - log_s)
             self.pairs.setdefault(key, deque(maxlen=self.window)).append(d)
             self._solved = None
-        self._last = (k, log_s, cycle)
+        self._last = (k, log_s, cycle, head)
         self.measured_at[k] = cycle
 
     def seed(self, seconds: Dict[int, float]) -> None:
