@@ -890,7 +890,7 @@ def test_a_climb_starts_from_the_deepest_depth_priced_below_the_best():
 def test_a_cycle_with_suffix_drafts_pairs_only_with_a_near_neighbour():
     # Plain and head cycles pair up to 3 reported cycles apart (a switch into drafting leaves two
     # untimed between them); a cycle with suffix drafts, either side of a pair, only up to 2: paired
-    # further, its neighbours mispriced the head's depths (cycle_costs docstring).
+    # further, those ratios misled the plan (cycle_costs docstring).
     table = DepthPolicy()._costs((8, GREEDY))
     table.add(0, 1.0, 0)
     table.add(1, 1.5, 3)
