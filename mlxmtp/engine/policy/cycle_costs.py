@@ -10,10 +10,10 @@ switch between plain and drafting cycles, nor, into drafting, the last plain cyc
 early) gives one sample of log(c_k / c_j). A cycle with suffix drafts (proposers/hybrid.py)
 pairs only with a neighbour at most `suffix_gap` back, either way: paired three cycles
 apart, those ratios misled the plan, and 8 rows of agents on the H100's costs decoded
-plainly where drafting paid (BENCHMARKS.md). The samples of
-all measured pairs are reconciled into log-costs relative to one another by least
-squares (a handful of depths, solved by a few sweeps). Drafting depths that no pair
-reaches are priced by a straight line a + b*k through the ones that are.
+plainly where drafting paid (BENCHMARKS.md). The samples of all measured pairs are
+reconciled into log-costs relative to one another by least squares (a handful of depths,
+solved by a few sweeps). Drafting depths that no pair reaches are priced by a straight
+line a + b*k through the ones that are.
 
 The first drafting cycle after plain decoding costs more than a steady one (the head
 catches up on the inputs of the plain stretch, and that cycle is not overlapped with the

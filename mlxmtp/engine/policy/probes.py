@@ -60,11 +60,11 @@ def worth_learning(mean: Dict[int, float], bound: Dict[int, float], regime: floa
 def climb(best: int, priced: Dict[int, float]) -> int:
     """The depth to probe on the way to `best`: the one just above the deepest depth below it
     that ratios price (`priced`: CycleCosts.log_costs, live or calibrated), not only the line
-    through measured depths; else `best`. A table with no calibration (a batch bucket reached later) has plain decoding
-    and one drafting depth measured, and the line's guess for deeper depths is optimistic:
-    where a verify's cost grows with its tokens (a compute-bound batch) a first probe at k = 4
-    cost several plain cycles. One depth at a time, each probe corrects the line before a
-    dearer one is tried."""
+    through measured depths; else `best`. A table with no calibration (a batch bucket reached
+    later) has plain decoding and one drafting depth measured, and the line's guess for
+    deeper depths is optimistic: where a verify's cost grows with its tokens (a compute-bound
+    batch) a first probe at k = 4 cost several plain cycles. One depth at a time, each probe
+    corrects the line before a dearer one is tried."""
     return min(best, 1 + max((k for k in priced if k < best), default=0))
 
 
