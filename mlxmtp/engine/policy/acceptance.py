@@ -46,6 +46,7 @@ class Acceptance:
         self.kept: Dict[Tuple[Hashable, int], List[float]] = {}
         self.tried: Dict[Tuple[Hashable, int], List[float]] = {}
         self._memo: Dict[Hashable, List[float]] = {}
+        self._levels: Dict[Tuple[Hashable, int, bool], Tuple[float, List[float]]] = {}
         self._first_tried: Counter = Counter()  # per class, every first draft tried
         self.request_weight = request_weight  # pseudo-counts shrinking a request's first position to its class's
         self.requests = RequestAcceptance()  # each request's own first drafts
@@ -55,17 +56,9 @@ class Acceptance:
         `cls` (of `request`, where it started here: its first position is partly its own);
         `optimistic` adds one standard error (what a position could still turn out to be,
         given how little it has been tried)."""
-        in_cls = self._class_level(cls)
-        kept, tried = self._counts((cls, k))
+        at_depth, levels = self._depth_level(cls, k, optimistic)
         own = self.requests.first_drafts(request)
-        out = []
-        for i in range(1, k + 1):
-            if i == 1 and own is not None:  # the request's own, shrunk to its class's at this depth
-                at_depth = shrunk(kept[1], tried[1], in_cls[1], self.depth_weight)
-                out.append(shrunk(*own, at_depth, self.request_weight, optimistic))
-            else:
-                out.append(shrunk(kept[i], tried[i], in_cls[i], self.depth_weight, optimistic))
-        return out
+        return [self._first_position(own, at_depth, levels[0], optimistic), *levels[1:]]
 
     def expected_tokens(self, optimistic: bool = False, classes: Sequence[Hashable] = (None,),
                         requests: Optional[Sequence[Hashable]] = None) -> List[float]:
@@ -76,9 +69,12 @@ class Acceptance:
         total = [0.0] * (self.max_depth + 1)
         for (cls, request), n in rows.items():
             total[0] += n
+            own = self.requests.first_drafts(request)
             for k in range(1, self.max_depth + 1):
-                run, e = 1.0, 1.0
-                for a in self.estimate(cls, k, optimistic, request):
+                at_depth, levels = self._depth_level(cls, k, optimistic)
+                run = self._first_position(own, at_depth, levels[0], optimistic)  # estimate()'s positions
+                e = 1.0 + run
+                for a in levels[1:]:
                     run *= a
                     e += run
                 total[k] += n * e
@@ -91,6 +87,7 @@ class Acceptance:
         chance of being kept once reached (None: the outcomes). A reached position counts
         its chance as kept: its mean is the acceptance, with less noise than the outcome."""
         self._memo.clear()
+        self._levels.clear()
         # Every position forgets at the same pace, drafted this cycle or not: what was
         # learnt of a depth long unused grows uncertain again (and is re-explored when
         # that could pay), instead of a few early samples deciding for good.
@@ -141,6 +138,25 @@ class Acceptance:
     def _sums(self, keys) -> Tuple[List[float], List[float]]:
         return ([sum(self.kept[key][i] for key in keys) for i in range(self.max_depth + 1)],
                 [sum(self.tried[key][i] for key in keys) for i in range(self.max_depth + 1)])
+
+    def _first_position(self, own: Optional[Tuple[float, float]], at_depth: float, level: float,
+                        optimistic: bool) -> float:
+        # A request's own first drafts (where it has tried some here) shrunk to its class's
+        # at this depth; else the class's estimate at this depth, `level`.
+        return level if own is None else shrunk(*own, at_depth, self.request_weight, optimistic)
+
+    def _depth_level(self, cls: Hashable, k: int, optimistic: bool) -> Tuple[float, List[float]]:
+        # (position 1's estimate at depth k, not optimistic; every position's estimate at depth
+        # k): the levels above a request's own, kept until the next record(), as the policy
+        # asks for them for every row of a batch (its requests differ in position 1 alone).
+        key = (cls, k, optimistic)
+        if key not in self._levels:
+            in_cls = self._class_level(cls)
+            kept, tried = self._counts((cls, k))
+            self._levels[key] = (shrunk(kept[1], tried[1], in_cls[1], self.depth_weight),
+                               [shrunk(kept[i], tried[i], in_cls[i], self.depth_weight, optimistic)
+                                for i in range(1, k + 1)])
+        return self._levels[key]
 
     def _class_level(self, cls: Hashable) -> List[float]:
         # The two upper levels of estimate(), per position (index 0 unused); kept until

@@ -43,6 +43,9 @@ class CycleCosts:
         # (depth, log seconds, cycle, whether the head's own) of the last timed cycle
         self._last: Optional[Tuple[int, float, int, bool]] = None
         self._solved: Optional[Dict[int, float]] = None
+        # What samples() and spread_from_plain() derive, until the next sample: the policy
+        # asks for them many times a cycle, and a cycle adds at most one sample.
+        self._derived: Dict[Hashable, object] = {}
 
     def add(self, k: int, seconds: float, cycle: int, head: bool = True) -> None:
         """A timed cycle of depth k (`cycle` counts every cycle, timed or not); `head`: False for
@@ -50,6 +53,8 @@ class CycleCosts:
         log_s = math.log(seconds)
         last = self._last
         near = last is not None and cycle - last[2] <= (self.max_gap if head and last[3] else self.suffix_gap)
+        if near:
+            self._derived.clear()
         if near and last[0] == k:
             self.jitter.append((log_s - last[1]) ** 2)
         elif near:
@@ -71,6 +76,7 @@ class CycleCosts:
             if k > 0 and seconds.get(base):
                 self.priors[(base, k)] = math.log(c / seconds[base])
         self._solved = None
+        self._derived.clear()
 
     def measured(self, depths: Iterable[int], min_samples: int) -> Tuple[List[int], List[int]]:
         """(the drafting depths of `depths` in `min_samples` live ratios or more, those of the
@@ -90,7 +96,9 @@ class CycleCosts:
 
     def samples(self, k: int) -> int:
         """How many neighbour ratios involve depth k."""
-        return sum(len(w) for pair, w in self.pairs.items() if k in pair)
+        if ("samples", k) not in self._derived:
+            self._derived["samples", k] = sum(len(w) for pair, w in self.pairs.items() if k in pair)
+        return self._derived["samples", k]
 
     def log_costs(self) -> Dict[int, float]:
         """log c(k) up to one common constant, for the depths linked (by a chain of measured
@@ -133,6 +141,11 @@ class CycleCosts:
         Choosing the best of noisy rates favours whichever cost came out too low (the
         winner's curse): the policy drafts only where drafting pays even with its cost this
         much higher (DepthPolicy._doubts)."""
+        if ("spread", prior_sd) not in self._derived:
+            self._derived["spread", prior_sd] = self._spread(prior_sd)
+        return dict(self._derived["spread", prior_sd])
+
+    def _spread(self, prior_sd: float) -> Dict[int, float]:
         var = statistics.median(self.jitter) / CHI2_1_MEDIAN if len(self.jitter) >= 5 else prior_sd**2
         edges = {pair: var for pair in self.priors}
         edges.update({pair: var / len(w) for pair, w in self.pairs.items()})
