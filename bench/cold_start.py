@@ -15,6 +15,11 @@ min, median and max over rounds, and the spread (max - min) / max of those ratio
 
 Decode tokens per second is the engine's own figure (`stats.tokens_per_second`: tokens
 after the first over the decode time), so load time and prefill do not count.
+
+Every process starts cold: none reads or writes what a policy kept from an earlier run
+(MLXMTP_POLICY_STATE_DIR=none, which a checkout without that setting ignores). `--warm` adds
+"adaptive, warm": processes sharing one folder of kept state (engine/policy/saved.py), the
+first of them run once before the rounds, as a user's second run of a command finds it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
@@ -33,7 +39,7 @@ def run_once(model, setting: str, args) -> dict:
     """One fresh process of `mlxmtp generate` with `setting` ('off', 'adaptive', 'head alone',
     a depth, or 'baseline' / 'baseline, head alone': those from the checkout `args.baseline`)
     -> its JSON output."""
-    env = dict(os.environ)
+    env = dict(os.environ, MLXMTP_POLICY_STATE_DIR=args.state_dir if setting.endswith("warm") else "none")
     if setting.startswith("baseline"):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.baseline, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "mlxmtp.commands", "generate", "--prompt", args.prompt, "--no-chat-template",
@@ -44,7 +50,7 @@ def run_once(model, setting: str, args) -> dict:
         cmd.append("--disable-mtp")
     elif setting.endswith("head alone"):
         cmd.append("--no-suffix")
-    elif setting not in ("adaptive", "baseline"):
+    elif setting not in ("adaptive", "baseline", "adaptive, warm"):
         cmd += ["--num-draft", setting]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     if out.returncode != 0:
@@ -54,12 +60,15 @@ def run_once(model, setting: str, args) -> dict:
 
 def measure(args) -> dict:
     """{setting: [decode tok/s of each round]} and {setting: [depths histogram]}."""
-    settings = ["off", "adaptive", *(["head alone"] if args.head_alone else []),
+    settings = ["off", "adaptive", *(["adaptive, warm"] if args.warm else []),
+                *(["head alone"] if args.head_alone else []),
                 *(["baseline"] if args.baseline else []),
                 *(["baseline, head alone"] if args.baseline and args.head_alone else []),
                 *[d for d in args.depths.split(",") if d]]
     rates = {s: [] for s in settings}
     depths = {s: [] for s in settings}
+    if args.warm:  # the run before: what it learnt is what the warm processes start from
+        run_once(args.model, "adaptive, warm", args)
     for r in range(args.rounds):
         for s in settings:
             stats = run_once(args.model, s, args)["stats"]
@@ -94,10 +103,13 @@ def main(argv=None) -> None:
     p.add_argument("--baseline", default=None, help="another checkout's root: its adaptive policy runs too")
     p.add_argument("--head-alone", action="store_true",
                    help="also adaptive with the head alone (--no-suffix; every setting else has suffix drafts)")
+    p.add_argument("--warm", action="store_true",
+                   help="also adaptive starting from what an earlier process of it kept (--policy-state-dir)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true", help="print the raw measurements as JSON")
     args = p.parse_args(argv)
-    result = measure(args)
+    with tempfile.TemporaryDirectory(prefix="mlxmtp-policy-") as args.state_dir:
+        result = measure(args)
     if args.json:
         print(json.dumps(result))
         return

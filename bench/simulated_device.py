@@ -16,7 +16,9 @@ at once, also each request's wait for its answer against MTP off's (the mean, an
 request worst off). One engine serves every round, as a server would, but each round starts
 with its index of finished outputs empty (`forget_outputs`): the rounds ask the same few
 prompts again. `--loop N` sends each round's requests `--concurrency` at a time, each answer
-followed by the next request, as agents waiting on their answers do.
+followed by the next request, as agents waiting on their answers do. `--warm` starts the
+adaptive engine from what an earlier run kept on disk (engine/policy/saved.py), as a server
+restarted on the same machine does.
 
 A cycle of depth k costs verify(k + 1) + k * head_step plain cycles, plus one head step for
 the first drafting cycle after plain decoding (the head's catch-up); a suffix cycle of
@@ -35,15 +37,18 @@ and reported speed-ups suggest (`DEVICES`), where drafting is cheap.
     python bench/simulated_device.py --suffix --workload agents --concurrency 8 --depths 3 --by-kind
     python bench/simulated_device.py --suffix --workload agents --concurrency 4 --loop 2 --depths 3
     python bench/simulated_device.py --device apple-27b-estimate --depths 3,4 --seed 0,1
+    python bench/simulated_device.py --device apple-27b-estimate --workload agents --concurrency 4 --depths 3,4 --warm
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
 import sys
+import tempfile
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -234,24 +239,40 @@ def forget_outputs(engine) -> None:
         shared.clear()
 
 
+def play_rounds(engine, clock: DeviceClock, prompts, args, temp: float, rounds, depths: Counter, waits: list):
+    """Each round's decode rate on `engine` (decode_rate), rounds numbered `rounds` (which
+    prompts, which seeds); each round's waits appended to `waits`."""
+    rates = []
+    for r in rounds:
+        forget_outputs(engine)
+        n = args.concurrency * args.loop
+        group = [prompts[(r * n + i) % len(prompts)] for i in range(n)]
+        waits.append([])
+        rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1], args.concurrency))
+    return rates
+
+
 def run_setting(model, tok, device, depth, suffix: bool, prompts, args, temp: float, seed: int):
     """(per-round rates, the engine's depth counts, per-round waits of the requests) of one
     setting: depth 0 (MTP off), a fixed depth, or "adaptive", on one engine for all rounds (as a
     server keeps one)."""
     clock = DeviceClock(device, args.noise, seed, args.calibration_noise, getattr(args, "by_kind", False))
-    with simulated(clock):
-        engine = BatchGenerator(model, tok, EngineConfig(
-            enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth, suffix_drafts=suffix))
+    config = EngineConfig(enable_mtp=depth != 0, num_draft=None if depth in (0, "adaptive") else depth,
+                          suffix_drafts=suffix)
+    with simulated(clock), tempfile.TemporaryDirectory(prefix="mlxmtp-policy-") as folder:
+        if depth == "adaptive" and getattr(args, "warm", False):
+            config = dataclasses.replace(config, policy_state_dir=folder)
+            model.policies.clear()  # an earlier run, cold, keeps what it learnt in `folder`
+            earlier = BatchGenerator(model, tok, config)
+            earlier.calibrate(1)
+            play_rounds(earlier, clock, prompts, args, temp, range(args.rounds, 2 * args.rounds), Counter(), [])
+            earlier.close()
+            model.policies.clear()  # this run reads it back after its calibration, as a restarted server
+        engine = BatchGenerator(model, tok, config)
         if depth == "adaptive":
             engine.calibrate(1)
-        rates, depths, waits = [], Counter(), []
-        for r in range(args.rounds):
-            forget_outputs(engine)
-            n = args.concurrency * args.loop
-            group = [prompts[(r * n + i) % len(prompts)] for i in range(n)]
-            waits.append([])
-            rates.append(decode_rate(engine, clock, group, args.max_tokens, temp, r, depths, waits[-1],
-                                     args.concurrency))
+        depths, waits = Counter(), []
+        rates = play_rounds(engine, clock, prompts, args, temp, range(args.rounds), depths, waits)
     if clock.kinds is not None:
         clock.kinds.show("MTP off" if depth == 0 else f"k={depth}" if depth != "adaptive" else "adaptive")
     return rates, dict(depths) if depth == "adaptive" else {}, waits
@@ -276,6 +297,9 @@ def main():
     ap.add_argument("--workload", choices=["code", "repeat", "rename", "edit", "agents"], default="code",
                     help="the prompts: bench/decode.py's workloads, or bench/batch.py's agents (code prompts "
                          "and edit and rename tasks in turn)")
+    ap.add_argument("--warm", action="store_true",
+                    help="adaptive starts from what an earlier run of it kept (engine/policy/saved.py): that run "
+                         "decodes the rounds after these once, cold, and a fresh policy reads its file back")
     ap.add_argument("--by-kind", action="store_true", help="each setting's cycles by kind and batch size: "
                                                              "count, cost, tokens per cost")
     ap.add_argument("--seed", default="0", help="the noise's seed; several (0,1,2): each run, then adaptive's "

@@ -1,10 +1,16 @@
 """Shared pytest fixtures."""
 
 import contextlib
+import os
 
 import pytest
 
 from mlxmtp.testing import fixtures as fx
+
+# The commands keep what the depth policy learnt in the user's cache (--policy-state-dir):
+# a test run neither reads nor leaves such state, so every test's engine starts as a first
+# run would (tests of that state name their own folders).
+os.environ["MLXMTP_POLICY_STATE_DIR"] = "none"
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,11 @@ import click
 from ..engine.config import EngineConfig
 from .options import (
     ADAPTER_PATH,
+    POLICY_STATE_DIR,
     drafting_options,
     refused_options,
     sampling_range,
+    state_folder,
     tokenizer_options,
 )
 
@@ -45,7 +47,7 @@ SAMPLING_OPTIONS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_mtp, num_draft,
              mtp_fallback, no_chat_template, profile, as_json, draft_vocab=0, draft_vocab_file=None,
              pipeline_drafts=False, compile_steps=False, dist_timeout=30.0, adapter_path=None,
-             trust_remote_code=False, use_default_chat_template=False, suffix=True):
+             trust_remote_code=False, use_default_chat_template=False, suffix=True, policy_state_dir=POLICY_STATE_DIR):
     """Generate a completion for the --prompt text (on every rank under `mlx.launch`; rank 0 prints)."""
     # On use: importing it loads MLX (seconds), which `mlxmtp --help` and start-up never need.
     from ..distributed.group import launched_group
@@ -57,7 +59,8 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, seed, enable_
         click.echo("warning: --num-draft has no effect with --disable-mtp", err=True)
     group = launched_group()
     config = EngineConfig(enable_mtp=enable_mtp, num_draft=num_draft, profile=profile, pipeline_drafts=pipeline_drafts,
-                          compile_steps=compile_steps, suffix_drafts=suffix)
+                          compile_steps=compile_steps, suffix_drafts=suffix,
+                          policy_state_dir=state_folder(policy_state_dir))
     m, tok, plan = _load(model, group, config, mtp=enable_mtp, mtp_fallback=mtp_fallback,
                          draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file, adapter_path=adapter_path,
                          trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)

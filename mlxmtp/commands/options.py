@@ -17,6 +17,14 @@ def sampling_range(name: str, kind=click.FloatRange):
     return kind(rule.low, rule.high, min_open=rule.low_open, max_open=rule.high_open)
 
 
+POLICY_STATE_DIR = "~/.cache/mlxmtp/policy"  # expanded where it is used (engine/policy/saved.py)
+
+
+def state_folder(value: str):
+    """--policy-state-dir's folder, or None for 'none' (EngineConfig.policy_state_dir)."""
+    return None if value.strip().lower() in ("", "none") else value
+
+
 _DRAFTING = [
     click.option("--num-draft", "--num-draft-tokens", "num_draft", default=None,
                  type=click.IntRange(0, MAX_DRAFT_DEPTH),
@@ -30,6 +38,10 @@ _DRAFTING = [
                       "vocabularies over 64K; 0 = the full vocabulary)."),
     click.option("--draft-vocab-file", default=None, type=click.Path(dir_okay=False),
                  help="The token list for --draft-vocab (default: MODEL/mtp/draft_vocab.json)."),
+    click.option("--policy-state-dir", default=POLICY_STATE_DIR, show_default=True, envvar="MLXMTP_POLICY_STATE_DIR",
+                 help="Where the adaptive depth policy keeps what it learnt (cycle costs on this machine, the head's "
+                      "acceptance) for the next run of the same model and settings, so that it starts warm; "
+                      "'none': learn afresh every run. Also MLXMTP_POLICY_STATE_DIR."),
     click.option("--compile-steps", is_flag=True,
                  help="Run the MTP head's steps and the accept step as compiled graphs (their shapes are "
                       "fixed on shape-stable caches, the GPU default). Experimental: see BENCHMARKS.md."),

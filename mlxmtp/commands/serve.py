@@ -16,9 +16,11 @@ from ..server.config import ServerConfig
 from . import serve_options
 from .options import (
     ADAPTER_PATH,
+    POLICY_STATE_DIR,
     drafting_options,
     refused_options,
     sampling_range,
+    state_folder,
     tokenizer_options,
 )
 
@@ -135,7 +137,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
           chat_template_args=None, adapter_path=None, default_max_tokens=None, prefill_step=PREFILL_STEP,
           allowed_origins=(), prompt_cache_bytes=None, prefix_cache_entries=None, trust_remote_code=False,
           use_default_chat_template=False, prefix_cache_dir=None, prefix_cache_disk_mb=PREFIX_DISK_MB,
-          constrain_tool_calls=False, suffix=True, suffix_share=True):
+          constrain_tool_calls=False, suffix=True, suffix_share=True, policy_state_dir=POLICY_STATE_DIR):
     """OpenAI- and Anthropic-compatible server.
 
     Endpoints: /v1/chat/completions, /v1/completions and /v1/responses (OpenAI);
@@ -157,7 +159,7 @@ def serve(model, host, port, enable_mtp, num_draft, mtp_fallback, max_concurrent
         serve_options.check_address(host, port)  # before the (slow) model load, as the API key
     engine = _engine_config(want_mtp, num_draft, max_concurrent, prefill_step, prefix_cache_mb, prefix_cache_entries,
                             prefix_cache_dir, prefix_cache_disk_mb, memory_mb, pipeline_drafts, compile_steps, suffix,
-                            suffix_share)
+                            suffix_share, state_folder(policy_state_dir))
     m, tok = _load(model, group, engine, mtp=want_mtp, mtp_fallback=fallback, draft_vocab=draft_vocab,
                    draft_vocab_file=draft_vocab_file, chat_template=chat_template, adapter_path=adapter_path,
                    trust_remote_code=trust_remote_code, use_default_chat_template=use_default_chat_template)
@@ -191,7 +193,7 @@ def _check_changes(tok, adapter_path, chat_template, chat_template_args) -> None
 def _engine_config(enable_mtp: bool, num_draft, max_concurrent: int, prefill_step: int, prefix_cache_mb,
                    prefix_cache_entries, prefix_cache_dir, prefix_cache_disk_mb: int, memory_mb,
                    pipeline_drafts: bool, compile_steps: bool, suffix: bool = True,
-                   suffix_share: bool = True) -> EngineConfig:
+                   suffix_share: bool = True, policy_state_dir=None) -> EngineConfig:
     """The engine's config from serve's options (budgets in MiB; None: the machine's
     defaults, engine/budgets.py; `prefix_cache_mb` a fraction of MiB for a budget in bytes,
     --prompt-cache-bytes)."""
@@ -201,7 +203,7 @@ def _engine_config(enable_mtp: bool, num_draft, max_concurrent: int, prefill_ste
         prefix_cache_entries=prefix_cache_entries, prefix_cache_dir=prefix_cache_dir,
         prefix_cache_disk_mb=prefix_cache_disk_mb, memory_bytes=None if memory_mb is None else int(memory_mb) * 2**20,
         pipeline_drafts=pipeline_drafts, compile_steps=compile_steps, suffix_drafts=suffix,
-        suffix_share=suffix_share)
+        suffix_share=suffix_share, policy_state_dir=policy_state_dir)
 
 
 def _run(app, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:

@@ -23,6 +23,7 @@ long) is fatal: `on_fatal` ends the run
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -60,6 +61,9 @@ class DistributedEngine:
                  on_fatal: Optional[Callable[[str], None]] = None):
         if config.prefix_cache_dir:  # each rank would load and evict on its own
             raise ValueError("a prefix cache on disk is not supported across ranks (mlx.launch)")
+        # Every rank would read and write the policy's file on its own, where rank 0 decides:
+        # across ranks every run starts cold.
+        config = dataclasses.replace(config, policy_state_dir=None)
         self.coordinator = RankCoordinator(Channel(group))
         self.engine = build_engine(model, tokenizer, config, self.coordinator)
         self._arrived = threading.Event()

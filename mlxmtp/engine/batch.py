@@ -50,7 +50,7 @@ class BatchGenerator:
         self.config = config  # as given: what the ranks of a distributed run compare
         parts = parts or make_parts(model, config)  # engine/build.py; None: a process alone's
         c, self.coordinator = parts.settings, parts.coordinator
-        self.policy = parts.policy
+        self.policy, self.saved = parts.policy, parts.saved
         self.max_depth = self.policy.max_depth  # the deepest pin a request may ask for
         self.max_batch, self.acceptance_rule = c.max_batch, c.acceptance_rule
         self.profile = c.profile  # drafts evaluated on their own, to split device time (for benchmarks)
@@ -111,14 +111,12 @@ class BatchGenerator:
         return self.batch.head_cache
 
     def skip_time(self, seconds: float) -> None:
-        """Leave `seconds` the caller spent on other work between two steps out of the next
-        cycle's cost (bench/decode.py runs mlx-lm and this engine in turns, chunk by chunk)."""
+        """Leave `seconds` spent on other work between two steps out of the next cycle's cost (bench/decode.py)."""
         self.clock.skip(seconds)
 
     def unstarted_request_ids(self) -> Set[int]:
-        """Requests whose prefill has not started: still in the inbox, or waiting without
-        prefill state (a row sent back to wait has emitted tokens). After a failed step,
-        these alone can be resubmitted untouched."""
+        """Requests whose prefill has not started (in the inbox, or waiting without prefill state: a row sent
+        back to wait has emitted tokens); after a failed step, these alone can be resubmitted untouched."""
         waiting = {r.req.id for r in self.waiting if r.cache is None and not r.resuming}
         return waiting | {req.id for req in self.inbox.requests()}
 
@@ -130,7 +128,8 @@ class BatchGenerator:
         """Nothing: a failing step leaves this engine to be rebuilt (server/engine_thread.py)."""
 
     def close(self) -> None:
-        """Nothing to tell anyone: this engine runs alone."""
+        """Keep what the depth policy learnt (policy/saved.py); this engine runs alone."""
+        self.saved.save(self.policy, force=True)
 
     def flush(self) -> List[Event]:
         """Read and emit the cycle in flight, if any: the caches then hold exactly what
@@ -149,8 +148,7 @@ class BatchGenerator:
         scheduler.admit(new, self._new_row, self.waiting, events)
         self._drop_rows(scheduler.cancel(cancelled, self.waiting, self.rows, events, self.prefiller.keep_partial))
         if self._inflight is not None and self.waiting:
-            # A request submitted between the check above and the take: settle the batch
-            # before it can join (a cycle in flight has an input for its own rows only).
+            # Submitted between the check above and the take: settle the batch (a cycle in flight feeds its rows only).
             self._drain(events)
         if self.waiting and len(self.rows) < self.max_batch:
             allowed = memory.startable(self.memory, self.rows, self.waiting)
@@ -158,6 +156,7 @@ class BatchGenerator:
             self.clock.untimed()  # prefill time must not be billed to a decode cycle
         if self.rows:
             self._decode_cycle(events)
+        self.saved.save(self.policy, force=not self.has_work)  # now and then, and whenever out of work
         return events
 
     def _new_row(self, req: Request) -> Row:
@@ -179,6 +178,7 @@ class BatchGenerator:
             return False
         calibration.seed_policy(self.policy, self.pieces, batch_size, self.shape_stable, self.pipeline_drafts,
                                 progress)
+        self.saved.load_into(self.policy)  # what an earlier run learnt, on top of this run's priors
         self.clock.untimed()
         return True
 
@@ -241,8 +241,8 @@ class BatchGenerator:
             self.clock.untimed()
 
     def _launch(self, k: int, after: Optional[Cycle] = None) -> Cycle:
-        """Build one cycle's graph: drafts, the verify forward and the acceptance, lazily;
-        `after`: the previous cycle, still unread (pipelined), or None."""
+        """Build one cycle's graph lazily (drafts, the verify forward, the acceptance) after `after`: the
+        previous cycle, still unread (pipelined), or None."""
         rows = list(self.rows)
         sampling = BatchSampling.for_rows(rows)  # decided once: the drafts and the accept step read it
         if k > 0 and after is not None:

@@ -53,6 +53,10 @@ class EngineConfig:
     prefix_cache_entries: Optional[int] = None
     prefix_cache_dir: Optional[str] = None
     prefix_cache_disk_mb: int = PREFIX_DISK_MB
+    # A folder where the adaptive depth policy keeps what it learnt for the next run of the
+    # same model and settings on this machine (engine/policy/saved.py; "~" expanded there);
+    # None: every run starts cold. Off here, on in the commands (`--policy-state-dir`).
+    policy_state_dir: Optional[str] = None
     # What running requests' caches and the prefix cache may hold together (0: unbounded;
     # None: the machine's default, engine/memory.py).
     memory_bytes: Optional[int] = 0

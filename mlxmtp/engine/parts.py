@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from ..mlxlm import adapter
 from . import budgets, memory
 from .config import EngineConfig
 from .coordinator import Coordinator
 from .pieces import ModelPieces, model_pieces, shared_policy
+from .policy import saved
 from .policy.adaptive import DepthPolicy
 from .policy.base import Policy
 from .prefix import disk as prefix_disk
@@ -32,6 +33,7 @@ class EngineParts:
     policy: Policy  # the depth policy, as the coordinator gives it
     prefix_cache: PrefixCache
     memory: memory.MemoryGuard
+    saved: Union[saved.SavedPolicy, saved.NotKept] = saved.NotKept()  # the depth policy's file across runs
 
 
 def make_parts(model, config: EngineConfig, coordinator: Optional[Coordinator] = None) -> EngineParts:
@@ -61,4 +63,4 @@ def make_parts(model, config: EngineConfig, coordinator: Optional[Coordinator] =
     prefix_cache = PrefixCache(cache_bytes, c.prefix_cache_entries, agree=agree,
                                room=room.left if room.budget > 0 else None, disk=disk)
     guard = memory.MemoryGuard(footprint, room, prefix_cache)
-    return EngineParts(c, coordinator, pieces, policy, prefix_cache, guard)
+    return EngineParts(c, coordinator, pieces, policy, prefix_cache, guard, saved.for_engine(model, pieces, c))

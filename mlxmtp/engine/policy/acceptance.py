@@ -130,6 +130,19 @@ class Acceptance:
         how much of a depth's own estimate is its own, and not its class's."""
         return self.tried[cls, k][1] if (cls, k) in self.tried else 0.0
 
+    def learnt(self) -> Tuple[Dict[Tuple[Hashable, int], Tuple[List[float], List[float]]], Counter]:
+        """({(class, depth): (kept, tried) per position}, first drafts tried per class): what
+        outlives a run (policy/saved.py); a request's own first drafts do not."""
+        return {key: (self.kept[key], self.tried[key]) for key in self.kept}, Counter(self._first_tried)
+
+    def restore(self, counts: Dict[Tuple[Hashable, int], Tuple[List[float], List[float]]], first: Counter) -> None:
+        """Counts `learnt` gave in an earlier run, in place of those of these classes and depths."""
+        for key, (kept, tried) in counts.items():
+            self.kept[key], self.tried[key] = list(kept), list(tried)
+        self._first_tried.update(first)
+        self._memo.clear()
+        self._levels.clear()
+
     def _counts(self, key):
         if key not in self.kept:
             self.kept[key], self.tried[key] = [0.0] * (self.max_depth + 1), [0.0] * (self.max_depth + 1)

@@ -74,7 +74,7 @@ class DepthPolicy(Policy):
         self._key: Optional[Tuple[int, str]] = None  # the cost_key of the last choice
         self._regimes: Dict[Tuple[int, str], int] = {}  # the regime of every other table
         self._calibration: Dict[Tuple[int, str], int] = {}  # cost_key -> calibration cycles so far
-        self._anchors: Dict[Tuple[int, str], int] = {}  # cost_key -> the depth its blocks measure (_anchor)
+        self.anchors: Dict[Tuple[int, str], int] = {}  # cost_key -> the depth its blocks measure (_anchor)
         self._plan: List[int] = []  # the depths of a probe's cycles still to come
         self._last_probe = 0
         self._last_k: Optional[int] = None  # the depth of the previous cycle
@@ -170,10 +170,10 @@ class DepthPolicy(Policy):
     def _anchor(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]]) -> int:
         """The drafting depth a table's calibration blocks measure against plain decoding, chosen when
         they start (probes.anchor) by the nearest prices and what the batch's rows are expected to keep."""
-        if key not in self._anchors:
-            self._anchors[key] = probes.anchor(nearest_prices(self.costs, key, range(1, self.max_depth + 1)),
+        if key not in self.anchors:
+            self.anchors[key] = probes.anchor(nearest_prices(self.costs, key, range(1, self.max_depth + 1)),
                                                self.expected_tokens(False, classes, requests))
-        return self._anchors[key]
+        return self.anchors[key]
 
     def _learning(self, key: Tuple[int, str], classes: List[Hashable], requests: Optional[Sequence[Hashable]],
                   bound: Dict[int, float], costs: Dict[int, float], doubt: Dict[int, float]) -> Optional[int]:
@@ -281,7 +281,7 @@ class DepthPolicy(Policy):
         return k
 
     def _probe_plan(self, k: int) -> List[int]:
-        return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0), self._anchors.get(self._key, 1))
+        return probes.plan(k, self.regime, self.cfg.burst, self._unlearnt.get(k, 0), self.anchors.get(self._key, 1))
 
     def update(self, k: int, batch_size: int, seconds: Optional[float], kept_per_row: List[int],
                classes: Optional[Sequence[Hashable]] = None, switch_seconds: Optional[float] = None,

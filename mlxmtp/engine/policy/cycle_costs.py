@@ -78,6 +78,13 @@ class CycleCosts:
         self._solved = None
         self._derived.clear()
 
+    def restore(self, pairs: Dict[Tuple[int, int], List[float]], jitter: List[float]) -> None:
+        """Ratios and noise an earlier run measured (policy/saved.py), in place of any live ones."""
+        self.pairs = {pair: deque(w, maxlen=self.window) for pair, w in pairs.items()}
+        self.jitter = deque(jitter, maxlen=self.jitter.maxlen)
+        self._solved = None
+        self._derived.clear()
+
     def measured(self, depths: Iterable[int], min_samples: int) -> Tuple[List[int], List[int]]:
         """(the drafting depths of `depths` in `min_samples` live ratios or more, those of the
         rest a calibration priced (`seed`)): measured costs, not the line's."""
