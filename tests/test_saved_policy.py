@@ -83,6 +83,8 @@ BROKEN = {
     "a batch of 3": lambda store: _rewritten(store, lambda p: p["tables"][0].__setitem__("bucket", 3)),
     "a depth too deep": lambda store: _rewritten(store, lambda p: p["acceptance"][0].__setitem__("depth", 9)),
     "a table that is a list": lambda store: _rewritten(store, lambda p: p["tables"].append([1, 2])),
+    "a number past a float": lambda store: _rewritten(store, lambda p: p["tables"][-1]["jitter"].append(10**400)),
+    "nested past the parser": lambda store: store.path.write_text("[" * 100_000 + "]" * 100_000),
 }
 
 

@@ -103,7 +103,7 @@ def _table(t: dict, policy):
 def _counts(c: dict, max_depth: int):
     """((class, depth), (kept, tried)) of one class and depth of a state."""
     k = c.get("depth")
-    if not (isinstance(k, int) and 1 <= k <= max_depth):
+    if not (_depth(k) and 1 <= k <= max_depth):
         raise ValueError(f"acceptance counts of a depth the policy does not draft: {k!r}")
     kept, tried = (_floats(c.get(name), 0.0, 1e9) for name in ("kept", "tried"))
     if not (len(kept) == len(tried) == max_depth + 1 and all(a <= n + 1e-6 for a, n in zip(kept, tried))):
@@ -199,6 +199,7 @@ class SavedPolicy:
             with open(self.path, "rb") as f:
                 data = f.read(MAX_BYTES + 1)
         except FileNotFoundError:
+            log.info("depth policy: learning afresh; what it learns is kept in %s for the next run", self.path)
             return False
         except OSError as e:
             log.warning("depth policy: cannot read %s (%s); starting cold", self.path, e)
@@ -207,7 +208,7 @@ class SavedPolicy:
             if len(data) > MAX_BYTES:
                 raise ValueError(f"over {MAX_BYTES >> 20} MiB, far more than a policy writes")
             restore(policy, self._checked(data.decode()))
-        except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError and JSON's are ValueErrors
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:  # decoding and JSON's: ValueErrors
             log.warning("depth policy: ignoring %s (%s); starting cold", self.path, e)
             return False
         self._reported = policy.reported  # nothing new to write yet
