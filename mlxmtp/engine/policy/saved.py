@@ -45,7 +45,10 @@ from .base import GREEDY, REPRODUCIBLE, SAMPLED, Opening
 log = logging.getLogger("mlxmtp")
 
 FORMAT = 1  # bump when the layout below changes: older files are then ignored
-SAVE_EVERY = 30.0  # seconds between saves while the policy learns (and one at close)
+# Seconds between saves while the engine has work (and one whenever it runs out, and at close):
+# a save stalls the engine's thread for milliseconds (BENCHMARKS.md, a server restarted), and a
+# restart loses at most this much learning.
+SAVE_EVERY = 120.0
 MAX_BYTES = 16 << 20  # a file larger than this is not one this module wrote
 MAX_LOG_RATIO = 10.0  # a cost ratio beyond e^10 either way is not a measurement
 KINDS = (GREEDY, SAMPLED, REPRODUCIBLE)  # the acceptance classes' kinds; the first two, the cost tables'
