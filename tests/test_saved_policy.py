@@ -1,6 +1,7 @@
 """What the depth policy learnt, kept for the next run (engine/policy/saved.py)."""
 
 import json
+import logging
 import math
 from unittest import mock
 
@@ -99,7 +100,7 @@ def test_a_file_that_is_not_what_it_writes_is_ignored_whole(tmp_path, how):
     assert CALIBRATING in reasons(policy, batch=2, cycles=30)  # it starts cold
 
 
-def test_it_writes_its_own_file_and_touches_nothing_else(tmp_path):
+def test_it_writes_its_own_file_and_touches_nothing_else(tmp_path, caplog):
     mine = tmp_path / "state"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
@@ -112,8 +113,14 @@ def test_it_writes_its_own_file_and_touches_nothing_else(tmp_path):
     assert deeper.path.is_file()
     blocked = tmp_path / "a-file"
     blocked.write_text("x")
-    _file(blocked)  # cannot be written: the run goes on
+    with caplog.at_level(logging.DEBUG, logger="mlxmtp"):
+        store = _file(blocked)  # cannot be written: the run goes on
+        policy = started()
+        reasons(policy, batch=2, cycles=20)
+        store.save(policy, force=True)
     assert blocked.read_text() == "x"
+    said = [r.levelno for r in caplog.records if "cannot write" in r.getMessage()]
+    assert said == [logging.WARNING, logging.DEBUG]  # warned once
 
 
 def _run(path: str, folder, **config) -> tuple:

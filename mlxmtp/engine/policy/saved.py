@@ -195,6 +195,7 @@ class SavedPolicy:
         self.path = Path(folder) / f"{fingerprint}.json"
         self.fingerprint = fingerprint
         self._saved_at, self._reported = 0.0, None
+        self._unwritable = False
 
     def load_into(self, policy) -> bool:
         """Restore the file's state into `policy` -> whether there was one to restore."""
@@ -242,8 +243,9 @@ class SavedPolicy:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(doc))
             os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("depth policy: cannot write %s (%s)", self.path, e)
+        except OSError as e:  # said once: a folder that cannot be written stays so
+            (log.debug if self._unwritable else log.warning)("depth policy: cannot write %s (%s)", self.path, e)
+            self._unwritable = True
             with contextlib.suppress(OSError):  # its own half-written file, if any
                 tmp.unlink(missing_ok=True)
 
