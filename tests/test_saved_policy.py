@@ -17,6 +17,7 @@ from mlxmtp.engine.policy import saved
 from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.base import GREEDY
 from mlxmtp.engine.policy.config import CALIBRATING
+from mlxmtp.engine.prefix.check import seal
 from mlxmtp.engine.request import Request
 from mlxmtp.models.load import load
 
@@ -68,8 +69,7 @@ def _rewritten(store, change) -> None:
     """The store's file with its policy changed by `change` and a checksum that matches."""
     doc = json.loads(store.path.read_text())
     change(doc["policy"])
-    doc["sha256"] = saved._digest(doc["policy"])
-    store.path.write_text(json.dumps(doc))
+    store.path.write_text(seal(doc))
 
 
 BROKEN = {
@@ -86,6 +86,8 @@ BROKEN = {
     "a table that is a list": lambda store: _rewritten(store, lambda p: p["tables"].append([1, 2])),
     "a number past a float": lambda store: _rewritten(store, lambda p: p["tables"][-1]["jitter"].append(10**400)),
     "nested past the parser": lambda store: store.path.write_text("[" * 100_000 + "]" * 100_000),
+    "a link to a good file": lambda store: (store.path.rename(store.path.with_name("elsewhere")),
+                                            store.path.symlink_to(store.path.with_name("elsewhere"))),
 }
 
 

@@ -15,17 +15,16 @@ The file is `<folder>/<fingerprint>.json`; the fingerprint covers everything the
 depend on (the model's files, mlxmtp, mlx and mlx-lm, the device and machine, the settings
 that shape a cycle). Nothing read is trusted: a file whose checksum, format or fingerprint does
 not match, or with any value out of range, is ignored whole (the policy starts cold; a
-warning is logged). A file is written whole under a temporary name, then renamed into place;
-this module replaces only its own files and deletes nothing.
+warning is logged). A file is written whole under a temporary name, synced and renamed into place
+(prefix/files.write_atomically, with the prefix cache's sealed JSON: prefix/check.seal); this
+module replaces only its own files and deletes nothing.
 
 Written here: mlx-lm and the libraries we use keep no such state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
 import math
 import os
@@ -39,7 +38,9 @@ import mlx.core as mx
 
 from ... import __version__
 from ..limits import MAX_CYCLE_DEPTH
-from ..prefix.files import model_fingerprint
+from ..prefix import check as prefix_check
+from ..prefix import files as prefix_files
+from ..prefix import folders
 from .base import GREEDY, REPRODUCIBLE, SAMPLED, Opening
 
 log = logging.getLogger("mlxmtp")
@@ -169,7 +170,7 @@ def for_engine(model, pieces, config):
     model_dir = getattr(model, "model_dir", None)
     if not config.policy_state_dir or model_dir is None or pieces.head is None or config.num_draft is not None:
         return NotKept()
-    key = f"{model_fingerprint(Path(model_dir), True, pieces.hidden_state)}; {_machine()}; {_settings(pieces, config)}"
+    key = f"{prefix_files.model_fingerprint(Path(model_dir), True, pieces.hidden_state)}; {_machine()}; {_settings(pieces, config)}"
     return SavedPolicy(Path(os.path.expanduser(config.policy_state_dir)), hashlib.sha256(key.encode()).hexdigest()[:20])
 
 
@@ -200,7 +201,7 @@ class SavedPolicy:
     def load_into(self, policy) -> bool:
         """Restore the file's state into `policy` -> whether there was one to restore."""
         try:
-            with open(self.path, "rb") as f:
+            with folders.open_file(self.path) as f:  # a link is not followed
                 data = f.read(MAX_BYTES + 1)
         except FileNotFoundError:
             log.info("depth policy: learning afresh; what it learns is kept in %s for the next run", self.path)
@@ -220,13 +221,10 @@ class SavedPolicy:
         return True
 
     def _checked(self, text: str) -> dict:
-        doc = json.loads(text)
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("fingerprint") != self.fingerprint:
+        doc = prefix_check.unseal(text)  # its checksum, as the prefix cache's index carries one
+        if doc.get("format") != FORMAT or doc.get("fingerprint") != self.fingerprint:
             raise ValueError("another format or another model, machine or settings")
-        body = doc.get("policy")
-        if doc.get("sha256") != _digest(body):
-            raise ValueError("its checksum does not match its contents")
-        return body
+        return doc.get("policy")
 
     def save(self, policy, now: Optional[float] = None, force: bool = False) -> None:
         """Write the policy's state, if it reported a cycle since the last save and SAVE_EVERY
@@ -236,19 +234,10 @@ class SavedPolicy:
         if policy.reported == self._reported or (not force and now - self._saved_at < SAVE_EVERY):
             return
         self._saved_at, self._reported = now, policy.reported
-        body = state_of(policy)
-        doc = {"format": FORMAT, "fingerprint": self.fingerprint, "sha256": _digest(body), "policy": body}
-        tmp = self.path.with_name(f"tmp-{os.getpid()}-{self.path.name}")
+        text = prefix_check.seal({"format": FORMAT, "fingerprint": self.fingerprint, "policy": state_of(policy)})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self.path)
+            prefix_files.write_atomically(self.path, lambda tmp: tmp.write_text(text))
         except OSError as e:  # said once: a folder that cannot be written stays so
             (log.debug if self._unwritable else log.warning)("depth policy: cannot write %s (%s)", self.path, e)
             self._unwritable = True
-            with contextlib.suppress(OSError):  # its own half-written file, if any
-                tmp.unlink(missing_ok=True)
-
-
-def _digest(body) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
