@@ -224,8 +224,12 @@ def bench_model(name, path, temps, depths, rounds, max_tokens, markdown, quantiz
         peak = {}
         for label, k in settings:
             mx.reset_peak_memory()
-            gen = (mlx_lm_tokens(ref, tok, prompts[0], max_tokens, temp, 0) if k is None
-                   else mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {}, options.get(label), same_text)[0])
+            if k is None:
+                gen = mlx_lm_tokens(ref, tok, prompts[0], max_tokens, temp, 0)
+            else:
+                gen, engine = mlxmtp_tokens(model, tok, prompts[0], max_tokens, temp, 0, k, {}, options.get(label),
+                                            same_text)
+                engine.calibrate(1)  # greedy and sampled, as the server at start-up (a no-op once done)
             for _ in gen:
                 pass
             peak[label] = mx.get_peak_memory()

@@ -112,7 +112,9 @@ def main():
                 ("adaptive, " + ", ".join(args.set), "adaptive", changed)]
     for temp in [float(t) for t in args.temps.split(",")]:
         for _, k, policy in settings:  # warm-up, as bench/decode.py's; the policies calibrate here
-            for _ in mlxmtp_side(model, tok, prompts[0], args.max_tokens, temp, 0, k, policy, {}, not args.rejection)[0]:
+            gen, engine = mlxmtp_side(model, tok, prompts[0], args.max_tokens, temp, 0, k, policy, {}, not args.rejection)
+            engine.calibrate(1)  # greedy and sampled, as the server at start-up (a no-op once done)
+            for _ in gen:
                 pass
         ratios = {label: [] for label, _, _ in settings}
         plain = {label: 0 for label, k, _ in settings if k == "adaptive"}

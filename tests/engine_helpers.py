@@ -9,6 +9,7 @@ import shutil
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import mlx_lm
@@ -100,8 +101,9 @@ def oracle_hook(expected: dict, p_correct: float = 0.7, seed: int = 0):
     return hook
 
 
-def calibration_calls(monkeypatch) -> list:
-    """The batch sizes the engine calibrates cycle costs at, recorded as it goes."""
+def calibration_calls(monkeypatch, kinds: Optional[list] = None) -> list:
+    """The batch sizes the engine calibrates cycle costs at, recorded as it goes (and in
+    `kinds`, where given, the kinds of batches each call measured)."""
     from mlxmtp.engine.policy import calibration
 
     calls = []
@@ -109,6 +111,8 @@ def calibration_calls(monkeypatch) -> list:
 
     def spy(pieces, batch_size, *args, **kwargs):
         calls.append(batch_size)
+        if kinds is not None:
+            kinds.append(tuple(kwargs.get("kinds", calibration.KINDS)))
         return measure(pieces, batch_size, *args, **kwargs)
 
     monkeypatch.setattr(calibration, "measure_cycle_costs", spy)

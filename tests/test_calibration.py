@@ -14,6 +14,7 @@ from mlxmtp.engine.policy import adaptive, calibration
 from mlxmtp.engine.policy.adaptive import DepthPolicy
 from mlxmtp.engine.policy.cycle_costs import CycleCosts
 from mlxmtp.engine.request import Request
+from mlxmtp.engine.sampling.params import SamplingParams
 from mlxmtp.models.load import load
 
 
@@ -33,10 +34,13 @@ def test_measured_costs_cover_every_depth(fixture_model, batch_size, pipelined):
 
 
 def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypatch):
+    """An engine whose first cycle finds no costs (`mlxmtp generate`) measures its batch's
+    kind only; a batch of the other kind later learns its costs from its own cycles."""
     path = str(fixture_model("qwen3_next")["hf"])
     _, _, ref = loaded(path)
     model, tok = load(path)  # a model of its own: the policy is shared by the model's engines
-    calls = calibration_calls(monkeypatch)
+    kinds = []
+    calls = calibration_calls(monkeypatch, kinds)
     prompt = prompt_of(30, seed=4)
     reasons = []
     for _ in range(2):
@@ -44,12 +48,30 @@ def test_adaptive_engine_calibrates_once_and_stays_exact(fixture_model, monkeypa
         res = generate(model, tok, prompt, max_tokens=40, engine=eng)
         assert res.token_ids == reference_greedy(ref, prompt, 40)
         reasons.append(res.stats.depth_reasons)
-    assert calls == [1]
+    assert calls == [1] and kinds == [("greedy",)]
     # The calibration is a prior: plain decoding and k = 1 are still measured live, in the
     # first request's first cycles, and not again.
     assert adaptive.CALIBRATING in reasons[0] and adaptive.CALIBRATING not in reasons[1]
+    assert all(c is not None for c in eng.policy.costs[1, "greedy"].costs(range(5)).values())
+    assert not eng.policy.costs.get((1, "sampled"), CycleCosts()).priors
+    sampled = generate(model, tok, prompt, max_tokens=40, engine=BatchGenerator(model, tok),
+                       params=SamplingParams(temperature=0.8, seed=1))
+    assert calls == [1]  # never held up by a second calibration
+    assert adaptive.CALIBRATING in sampled.stats.depth_reasons
+    assert eng.policy.costs[1, "sampled"].samples(0) > 0
+
+
+def test_an_engine_asked_to_calibrate_measures_both_kinds(fixture_model, monkeypatch):
+    """What the server does at start-up (and the benchmarks that stand for it): greedy and
+    sampled batches both priced before any request."""
+    model, tok = load(str(fixture_model("qwen3_5")["hf"]))
+    kinds = []
+    calls = calibration_calls(monkeypatch, kinds)
+    eng = BatchGenerator(model, tok)
+    assert eng.calibrate(1) and calls == [1] and kinds == [("greedy", "sampled")]
     for kind in ("greedy", "sampled"):
         assert all(c is not None for c in eng.policy.costs[1, kind].costs(range(5)).values())
+    assert not eng.calibrate(1) and calls == [1]
 
 
 def test_pinned_depths_do_not_calibrate(fixture_model, monkeypatch):

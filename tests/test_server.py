@@ -629,9 +629,10 @@ def test_cycle_costs_are_calibrated_before_the_first_request(server_model, monke
     base, tok = server_model
     model = MTPModel(base.base, base.parts, base.head, base.source, base.info, base.hidden_state,
                      vocab=base.vocab)  # the same weights, policies of its own
-    calls = calibration_calls(monkeypatch)
+    kinds = []
+    calls = calibration_calls(monkeypatch, kinds)
     with ServerThread(create_app(model, tok, ServerConfig(model_id=MODEL))) as srv:
-        assert calls == [1]  # before any request
+        assert calls == [1] and kinds == [("greedy", "sampled")]  # before any request, both kinds
         policy = srv.state.bridge.engine.policy
         assert not policy.needs_costs(1)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)

@@ -171,13 +171,13 @@ class BatchGenerator:
         memory.after_drop(self.memory, self.rows, self.waiting)
 
     # ---------------------------------------------------------------- decode
-    def calibrate(self, batch_size: int = 1, progress=None) -> bool:
-        """Measure cycle costs at `batch_size` rows now if the policy has none yet (policy/calibration.py,
-        `progress` as it takes it) -> whether it ran; later batch sizes learn from their own cycles."""
+    def calibrate(self, batch_size: int = 1, progress=None, kinds=calibration.KINDS) -> bool:
+        """Measure cycle costs of `kinds` of batches at `batch_size` rows if the policy has none yet
+        (policy/calibration.py) -> whether it ran; later sizes and kinds learn from their own cycles."""
         if self.pieces.head is None or not self.policy.needs_costs(batch_size):
             return False
         calibration.seed_policy(self.policy, self.pieces, batch_size, self.shape_stable, self.pipeline_drafts,
-                                progress)
+                                progress, kinds)
         self.saved.load_into(self.policy)  # what an earlier run learnt, on top of this run's priors
         self.clock.untimed()
         return True
@@ -187,7 +187,7 @@ class BatchGenerator:
             self._make_room(events)
             if not self.rows:
                 return
-        self.calibrate(len(self.rows))
+        self.calibrate(len(self.rows), kinds=[cycle.cost_kind_of(self.rows)])
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.proposer)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1

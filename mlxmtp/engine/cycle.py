@@ -27,6 +27,7 @@ import mlx.core as mx
 from ..mlxlm import adapter, gdn_capture
 from ..mlxlm.model_cache import ModelCache
 from .pieces import ModelPieces
+from .policy.base import cost_kind
 from .sampling.accept import VerifyMetadata, accept
 from .sampling.batch import BatchSampling
 from .state import Batch, Row, acceptance_classes
@@ -80,6 +81,11 @@ def choose_depth(policy, rows: List[Row], proposer) -> Tuple[int, str]:
         k, why = policy.choose(len(rows), limit, classes, requests), policy.why
     k = proposer.plan(rows, k, policy, limit)
     return k, proposer.why() or why
+
+
+def cost_kind_of(rows: List[Row]) -> str:
+    """Which kind of cost table prices these rows' cycles (policy.base.cost_kind)."""
+    return cost_kind(acceptance_classes(rows))
 
 
 def can_pipeline(rows: List[Row], k: int, pipeline_drafts: bool, proposer) -> bool:

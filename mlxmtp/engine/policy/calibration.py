@@ -7,7 +7,11 @@ and one drafting depth at the start, then probes of every other depth, each swit
 by real requests. Here, on scratch caches (the engine's own state is never touched), the
 engine's own calls are timed at a batch of `batch_size` rows, for greedy batches and for
 batches of sampled rows (their draft and accept steps are the engine's sampled ones:
-per-row distributions, random draws, rejection sampling; more work per cycle):
+per-row distributions, random draws, rejection sampling; more work per cycle). The server
+measures both at start-up, before any request; an engine whose first decode cycle finds no
+costs (`mlxmtp generate`, a benchmark) measures its batch's kind only, half the wait before
+its first drafted token, and a batch of the other kind learns its costs from its own cycles,
+as a batch size reached later does:
 - plain decoding as the engine runs it, pipelined (each forward queued before the
   previous token is read);
 - for k = 1..max_depth, drafting cycles as the engine runs them: the head chaining k
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -39,6 +43,7 @@ from .base import GREEDY, SAMPLED
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
 REPS = 5  # timed rounds over every depth, after one untimed round
 PLAIN_CYCLES = 4  # plain cycles timed together in one run (one alone is too short to time)
+KINDS = (GREEDY, SAMPLED)  # the kinds of batches a cost table is kept for (policy.cost_kind)
 
 
 def drafting_cycles(pipelined: bool) -> int:
@@ -47,16 +52,18 @@ def drafting_cycles(pipelined: bool) -> int:
 
 
 def seed_policy(policy, pieces: ModelPieces, batch_size: int, shape_stable: bool, pipelined: bool,
-                progress: Optional[Callable[[], None]] = None) -> None:
-    """Measure cycle costs at `batch_size` rows, greedy and sampled, and seed the depth
-    policy (policy.Policy.seed_costs) with them; `progress` as measure_cycle_costs takes it."""
-    costs = measure_cycle_costs(pieces, batch_size, policy.max_depth, shape_stable, pipelined, progress=progress)
+                progress: Optional[Callable[[], None]] = None, kinds: Sequence[str] = KINDS) -> None:
+    """Measure cycle costs at `batch_size` rows for batches of `kinds` (policy.cost_kind) and
+    seed the depth policy (policy.Policy.seed_costs) with them; `progress` as
+    measure_cycle_costs takes it."""
+    costs = measure_cycle_costs(pieces, batch_size, policy.max_depth, shape_stable, pipelined, kinds=kinds,
+                                progress=progress)
     for kind, seconds in costs.items():
         policy.seed_costs(batch_size, seconds, kind)
 
 
 def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, shape_stable: bool,
-                        pipelined: bool = False, kinds=(GREEDY, SAMPLED),
+                        pipelined: bool = False, kinds: Sequence[str] = KINDS,
                         progress: Optional[Callable[[], None]] = None) -> Dict[str, Dict[int, float]]:
     """Seconds per decode cycle of depth k = 0..max_depth at `batch_size` rows, per batch
     kind (policy.cost_kind); `pipelined`: drafting cycles are pipelined (see the module
