@@ -28,10 +28,11 @@ import logging
 import os
 import sys
 import threading
-from typing import Callable, List, Optional, Set
+from typing import Callable, List, Optional, Sequence, Set
 
 from ..engine.build import build_engine
 from ..engine.config import EngineConfig
+from ..engine.policy.calibration import KINDS
 from ..engine.request import Event, Request
 from .channel import Channel
 from .coordinator import RankCoordinator
@@ -142,13 +143,15 @@ class DistributedEngine:
             self._arrived.wait(HEARTBEAT)
         return self._run("a step", self._turn) or []
 
-    def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None) -> bool:
+    def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None,
+                  kinds: Sequence[str] = KINDS) -> bool:
         """Rank 0 (the server at start-up) has every rank calibrate; inside a step every rank
         is already at the same call (the engine's own). `progress`: this rank's, beside the
         watchdog's."""
         if self.leader:
-            return self._run("calibration", lambda: self._send({"calibrate": batch_size}, progress))
-        return self.engine.calibrate(batch_size, self._alive(progress))
+            return self._run("calibration", lambda: self._send({"calibrate": batch_size, "kinds": list(kinds)},
+                                                               progress))
+        return self.engine.calibrate(batch_size, self._alive(progress), kinds)
 
     def close(self) -> None:
         """Rank 0: tell the other ranks the run is over (they return from `follow`)."""
@@ -200,7 +203,7 @@ class DistributedEngine:
             self.closed = True
             return None
         if "calibrate" in message:
-            return self.engine.calibrate(message["calibrate"], self._alive(progress))
+            return self.engine.calibrate(message["calibrate"], self._alive(progress), message["kinds"])
         for req in own if own is not None else map(request_from_wire, message["new"]):
             self.engine.inbox.put(req)
         for rid in message["cancel"]:

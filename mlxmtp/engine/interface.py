@@ -5,9 +5,10 @@ member, so their callers need no probing (tests/test_engine_interface.py checks 
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Protocol, Set
+from typing import Callable, List, Optional, Protocol, Sequence, Set
 
 from .memory import MemoryGuard
+from .policy.calibration import KINDS
 from .prefix.cache import PrefixCache
 from .request import Event, Request
 
@@ -36,8 +37,10 @@ class Engine(Protocol):
 
     def step(self) -> List[Event]: ...
 
-    # The depth policy's cycle costs, if it has none yet; `progress()` after each timed run.
-    def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None) -> bool: ...
+    # The depth policy's cycle costs of these kinds of batches (policy.cost_kind), if it has none yet;
+    # `progress()` after each timed run.
+    def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None,
+                  kinds: Sequence[str] = KINDS) -> bool: ...
 
     def unstarted_request_ids(self) -> Set[int]: ...  # after a failed step: what may be resubmitted untouched
 
