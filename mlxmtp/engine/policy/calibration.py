@@ -9,9 +9,9 @@ engine's own calls are timed at a batch of `batch_size` rows, for greedy batches
 batches of sampled rows (their draft and accept steps are the engine's sampled ones:
 per-row distributions, random draws, rejection sampling; more work per cycle). The server
 measures both at start-up, before any request; an engine whose first decode cycle finds no
-costs (`mlxmtp generate`, a benchmark) measures its batch's kind only, half the wait before
-its first drafted token, and a batch of the other kind learns its costs from its own cycles,
-as a batch size reached later does:
+costs (`mlxmtp generate`, `mlxmtp bench`) measures its batch's kind only, half the wait,
+and a batch of the other kind learns its costs from its own cycles, as a batch size reached
+later does:
 - plain decoding as the engine runs it, pipelined (each forward queued before the
   previous token is read);
 - for k = 1..max_depth, drafting cycles as the engine runs them: the head chaining k
