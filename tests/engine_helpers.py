@@ -105,6 +105,7 @@ def calibration_calls(monkeypatch, kinds: Optional[list] = None) -> list:
     """The batch sizes the engine calibrates cycle costs at, recorded as it goes (and in
     `kinds`, where given, the kinds of batches each call measured)."""
     from mlxmtp.engine.policy import calibration
+    from mlxmtp.engine.policy.base import COST_KINDS
 
     calls = []
     measure = calibration.measure_cycle_costs
@@ -112,7 +113,7 @@ def calibration_calls(monkeypatch, kinds: Optional[list] = None) -> list:
     def spy(pieces, batch_size, *args, **kwargs):
         calls.append(batch_size)
         if kinds is not None:
-            kinds.append(tuple(kwargs.get("kinds", calibration.KINDS)))
+            kinds.append(tuple(kwargs.get("kinds", COST_KINDS)))
         return measure(pieces, batch_size, *args, **kwargs)
 
     monkeypatch.setattr(calibration, "measure_cycle_costs", spy)

@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Sequence, Set
 
 from ..engine.build import build_engine
 from ..engine.config import EngineConfig
-from ..engine.policy.calibration import KINDS
+from ..engine.policy.base import COST_KINDS
 from ..engine.request import Event, Request
 from .channel import Channel
 from .coordinator import RankCoordinator
@@ -144,7 +144,7 @@ class DistributedEngine:
         return self._run("a step", self._turn) or []
 
     def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None,
-                  kinds: Sequence[str] = KINDS) -> bool:
+                  kinds: Sequence[str] = COST_KINDS) -> bool:
         """Rank 0 (the server at start-up) has every rank calibrate; inside a step every rank
         is already at the same call (the engine's own). `progress`: this rank's, beside the
         watchdog's."""

@@ -132,8 +132,7 @@ class BatchGenerator:
         self.saved.save(self.policy, force=True)
 
     def flush(self) -> List[Event]:
-        """Read and emit the cycle in flight, if any: the caches then hold exactly what
-        every row has emitted (but its last token)."""
+        """Read and emit the cycle in flight, if any: the caches then hold every token each row emitted but its last."""
         events: List[Event] = []
         self._drain(events)
         return events
@@ -171,7 +170,7 @@ class BatchGenerator:
         memory.after_drop(self.memory, self.rows, self.waiting)
 
     # ---------------------------------------------------------------- decode
-    def calibrate(self, batch_size: int = 1, progress=None, kinds=calibration.KINDS) -> bool:
+    def calibrate(self, batch_size: int = 1, progress=None, kinds=calibration.COST_KINDS) -> bool:
         """Measure cycle costs of `kinds` of batches at `batch_size` rows if the policy has none yet
         (policy/calibration.py) -> whether it ran; later sizes and kinds learn from their own cycles."""
         if self.pieces.head is None or not self.policy.needs_costs(batch_size):
@@ -187,7 +186,8 @@ class BatchGenerator:
             self._make_room(events)
             if not self.rows:
                 return
-        self.calibrate(len(self.rows), kinds=[cycle.cost_kind_of(self.rows)])
+        if self.policy.needs_costs(len(self.rows)):  # the first cycle only: its batch's kind
+            self.calibrate(len(self.rows), kinds=[cycle.cost_kind_of(self.rows)])
         k, self.why = cycle.choose_depth(self.policy, self.rows, self.proposer)
         for r in self.rows:
             r.stats.depth_reasons[self.why] = r.stats.depth_reasons.get(self.why, 0) + 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Protocol, Sequence, Set
 
 from .memory import MemoryGuard
-from .policy.calibration import KINDS
+from .policy.base import COST_KINDS
 from .prefix.cache import PrefixCache
 from .request import Event, Request
 
@@ -40,7 +40,7 @@ class Engine(Protocol):
     # The depth policy's cycle costs of these kinds of batches (policy.cost_kind), if it has none yet;
     # `progress()` after each timed run.
     def calibrate(self, batch_size: int = 1, progress: Optional[Callable[[], None]] = None,
-                  kinds: Sequence[str] = KINDS) -> bool: ...
+                  kinds: Sequence[str] = COST_KINDS) -> bool: ...
 
     def unstarted_request_ids(self) -> Set[int]: ...  # after a failed step: what may be resubmitted untouched
 

@@ -14,6 +14,7 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 # sampled reproducibly (engine/sampling/seeded.py); the first two are also the kinds of batch a
 # policy prices apart (`cost_kind`).
 GREEDY, SAMPLED, REPRODUCIBLE = "greedy", "sampled", "reproducible"
+COST_KINDS = (GREEDY, SAMPLED)  # the kinds of batches a cost table is kept for (cost_kind)
 
 
 # The first OPENING_TOKENS tokens of a row's answer are learnt apart from the rest, in two

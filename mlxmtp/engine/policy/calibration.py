@@ -38,12 +38,11 @@ from ..proposers.mtp_head import chain
 from ..sampling.accept import VerifyMetadata, accept, picker
 from ..sampling.params import SamplingParams
 from ..sampling.row import RowSampler
-from .base import GREEDY, SAMPLED
+from .base import COST_KINDS, SAMPLED
 
 CONTEXT = 64  # scratch tokens in the caches before timing (position barely matters)
 REPS = 5  # timed rounds over every depth, after one untimed round
 PLAIN_CYCLES = 4  # plain cycles timed together in one run (one alone is too short to time)
-KINDS = (GREEDY, SAMPLED)  # the kinds of batches a cost table is kept for (policy.cost_kind)
 
 
 def drafting_cycles(pipelined: bool) -> int:
@@ -52,7 +51,7 @@ def drafting_cycles(pipelined: bool) -> int:
 
 
 def seed_policy(policy, pieces: ModelPieces, batch_size: int, shape_stable: bool, pipelined: bool,
-                progress: Optional[Callable[[], None]] = None, kinds: Sequence[str] = KINDS) -> None:
+                progress: Optional[Callable[[], None]] = None, kinds: Sequence[str] = COST_KINDS) -> None:
     """Measure cycle costs at `batch_size` rows for batches of `kinds` (policy.cost_kind) and
     seed the depth policy (policy.Policy.seed_costs) with them; `progress` as
     measure_cycle_costs takes it."""
@@ -63,7 +62,7 @@ def seed_policy(policy, pieces: ModelPieces, batch_size: int, shape_stable: bool
 
 
 def measure_cycle_costs(pieces: ModelPieces, batch_size: int, max_depth: int, shape_stable: bool,
-                        pipelined: bool = False, kinds: Sequence[str] = KINDS,
+                        pipelined: bool = False, kinds: Sequence[str] = COST_KINDS,
                         progress: Optional[Callable[[], None]] = None) -> Dict[str, Dict[int, float]]:
     """Seconds per decode cycle of depth k = 0..max_depth at `batch_size` rows, per batch
     kind (policy.cost_kind); `pipelined`: drafting cycles are pipelined (see the module

@@ -41,7 +41,7 @@ from ..limits import MAX_CYCLE_DEPTH
 from ..prefix import check as prefix_check
 from ..prefix import files as prefix_files
 from ..prefix import folders
-from .base import GREEDY, REPRODUCIBLE, SAMPLED, Opening
+from .base import COST_KINDS, REPRODUCIBLE, Opening
 
 log = logging.getLogger("mlxmtp")
 
@@ -52,7 +52,7 @@ FORMAT = 1  # bump when the layout below changes: older files are then ignored
 SAVE_EVERY = 120.0
 MAX_BYTES = 16 << 20  # a file larger than this is not one this module wrote
 MAX_LOG_RATIO = 10.0  # a cost ratio beyond e^10 either way is not a measurement
-KINDS = (GREEDY, SAMPLED, REPRODUCIBLE)  # the acceptance classes' kinds; the first two, the cost tables'
+KINDS = (*COST_KINDS, REPRODUCIBLE)  # the acceptance classes' kinds
 
 
 def state_of(policy) -> dict:
@@ -90,7 +90,7 @@ def _table(t: dict, policy):
     """(cost key, pairs, jitter, anchor, switch samples) of one table of a state; ValueError
     where a value is out of range."""
     b, kind = t.get("bucket"), t.get("kind")
-    if not (_count(b) and b <= 1 << 16 and b & (b - 1) == 0 and kind in KINDS[:2]):
+    if not (_count(b) and b <= 1 << 16 and b & (b - 1) == 0 and kind in COST_KINDS):
         raise ValueError(f"a table's key is not a batch bucket and kind: {b!r}, {kind!r}")
     pairs = {}
     for pair in _list(t, "pairs", list):
