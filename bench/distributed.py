@@ -1,4 +1,4 @@
-"""1 rank against 2 ranks (`mlx.launch --backend ring -n 2`), MTP off, on, and on with suffix
+"""1 rank against 2 ranks (`mlxmtp launch --backend ring -n 2`, MLX's launcher), MTP off, on, and on with suffix
 drafts beside the head (serve's default): decode tokens/s and what each cycle spends
 communicating.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -123,28 +122,14 @@ def one_rank(args):
 
 
 def launch(cmd, timeout=None, env=None) -> subprocess.CompletedProcess:
-    """Run an `mlx.launch` command line, capturing its output. mlx.launch polls its stdin to
-    forward it: at end of file (/dev/null, a closed pipe) that poll spins a core, which the
-    ranks need. A pipe held open with nothing in it keeps the launcher idle."""
-    quiet_in, held = os.pipe()
-    try:
-        proc = subprocess.Popen(cmd, stdin=quiet_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise
-    finally:
-        os.close(quiet_in)
-        os.close(held)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """Run an `mlxmtp launch` command line (mlx.launch without its polling of a core, the
+    ranks' core here), capturing its output."""
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def launch_two_ranks(args):
     here = Path(__file__).resolve()
-    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2", "--",
+    cmd = [str(Path(sys.executable).parent / "mlxmtp"), "launch", "--backend", "ring", "-n", "2", "--",
            sys.executable, str(here), "--worker", "--model", args.model, "--prompts", str(args.prompts),
            "--max-tokens", str(args.max_tokens)]
     res = launch(cmd)

@@ -1,5 +1,5 @@
 """Running mlxmtp on 2 ranks on this machine, over loopback with MLX's ring backend:
-through MLX's own launcher (`mlx.launch --backend ring -n 2`), or rank by rank with the
+through MLX's own launcher (`mlxmtp launch --backend ring -n 2`, mlx.launch mended), or rank by rank with the
 environment the launcher gives each rank (the fault tests need each rank's own process)."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 
 
 def mlx_launch(args: List[str], timeout: float = 600, ranks: int = 2) -> subprocess.CompletedProcess:
-    """`mlx.launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path),
-    run by bench/distributed.py's `launch` (which keeps the launcher from spinning)."""
-    cmd = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", str(ranks), "-p", str(free_ports(ranks)), "--", *args]
+    """`mlxmtp launch --backend ring -n ranks -- args` (args[0]: a program on PATH or a path),
+    run by bench/distributed.py's `launch`."""
+    cmd = [str(BIN / "mlxmtp"), "launch", "--backend", "ring", "-n", str(ranks), "-p", str(free_ports(ranks)), "--", *args]
     return _bench_distributed().launch(cmd, timeout=timeout, env=_env())
 
 

@@ -23,9 +23,10 @@ def _register():
     from .draft_vocab import draft_vocab
     from .generate import generate
     from .inspect import inspect
+    from .launch import launch
     from .serve import serve
 
-    for cmd in (serve, generate, bench, inspect, add_mtp_weights, draft_vocab):
+    for cmd in (serve, generate, bench, inspect, add_mtp_weights, draft_vocab, launch):
         main.add_command(cmd)
 
 
