@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Callable, List, Optional, Sequence, Set
 
 from ..engine.build import build_engine
@@ -36,6 +37,8 @@ from ..engine.policy.base import COST_KINDS
 from ..engine.request import Event, Request
 from .channel import Channel
 from .coordinator import RankCoordinator
+from .group import PEER_SOCKETS
+from .links import PeerLinks
 from .watchdog import Watchdog
 from .wire import request_from_wire, request_to_wire, with_seed
 
@@ -70,6 +73,7 @@ class DistributedEngine:
         self._arrived = threading.Event()
         self.on_fatal = on_fatal or exit_on_fatal
         self.watchdog = Watchdog(dist_timeout, self._fail)
+        self.links = PeerLinks(PEER_SOCKETS, patience=2 * HEARTBEAT)
         self.closed = False
 
     @property
@@ -160,9 +164,15 @@ class DistributedEngine:
         self.closed = True
 
     def follow(self) -> None:
-        """Ranks > 0: do what rank 0 says until it closes the run."""
+        """Ranks > 0: do what rank 0 says until it closes the run; idle, wait for its next
+        message outside the collective, where MLX's ring backend would poll (links.py)."""
         while not self.closed:
+            idle = not self.engine.has_work and not self.coordinator.quiet
+            saw_data = self.links.wait_for_data() if idle else True
+            started = time.monotonic()
             self._run("a step", self._turn)
+            if idle:
+                self.links.joined(saw_data, time.monotonic() - started)
 
     def _turn(self):
         """One step on this rank: rank 0's message carried out, or after a quiet depth

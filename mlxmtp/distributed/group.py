@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..checkpoint import mtp_folder, tensor_files
 from ..engine.config import EngineConfig
 from .channel import Channel
+from .links import open_sockets
 
 # What identifies a model folder: its configs and its weight index (or the headers of its
 # weight files when it has no index), and the MTP head's config and header.
@@ -25,9 +26,15 @@ class SetupMismatchError(RuntimeError):
     """Ranks started with different model folders or settings."""
 
 
+# The sockets `mx.distributed.init` opened (links.py): this process's links to the other ranks.
+PEER_SOCKETS: set = set()
+
+
 def launched_group():
     """The group `mlx.launch` started this process in, or None when run alone."""
+    before = open_sockets()
     group = mx.distributed.init()
+    PEER_SOCKETS.update(open_sockets() - before)
     return group if group.size() > 1 else None
 
 
