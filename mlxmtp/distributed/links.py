@@ -7,9 +7,10 @@ rank's sockets whether or not that rank has joined the collective (the kernel ho
 idle rank first blocks in `select` on the sockets MLX opened until one of them has data, then
 joins. Nothing in MLX exposes its sockets: they are the ones `mx.distributed.init` opened.
 
-Where the collectives do not run over those sockets (another backend), no data ever shows
-there: a wait longer than rank 0's idle heartbeats allow ends the waits for the rest of the
-run, and the rank waits inside the collective as before.
+Where the collectives do not run over those sockets (JACCL's RDMA), no data ever shows there:
+each wait lasts its whole patience and the collective after it finds rank 0 already there. A
+few of those end the waits for the rest of the run, and the rank waits inside the collective
+as before.
 """
 
 from __future__ import annotations
