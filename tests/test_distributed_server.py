@@ -166,6 +166,34 @@ def test_two_rank_server_bad_input_and_disconnect(two_ranks):
     assert _chat(oai, "still there?").choices[0].finish_reason in ("stop", "length")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has used (user + system)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except FileNotFoundError:  # no /proc (macOS): ps's [[dd-]hh:]mm:ss
+        out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True).stdout
+        seconds = 0.0
+        for part in out.strip().replace("-", ":").split(":"):
+            seconds = seconds * 60 + float(part)
+        return seconds
+
+
+def test_an_idle_server_keeps_no_core_busy(two_ranks):
+    """Rank 1 waits for rank 0's next message. Inside a collective, MLX's ring backend polls
+    for it, which kept a core busy on rank 1 for as long as the server was idle (a second of
+    CPU a second); it now waits for the data outside (distributed/links.py) and still answers."""
+    oai, _ = _clients(two_ranks.url)
+    _chat(oai, "Hello there")
+    time.sleep(1.0)
+    rank_1 = two_ranks.procs[1].pid
+    before, started = _cpu_seconds(rank_1), time.monotonic()
+    time.sleep(4.0)
+    used = (_cpu_seconds(rank_1) - before) / (time.monotonic() - started)
+    assert used < 0.25, f"rank 1 used {used:.2f} s of CPU a second while idle"
+    assert _chat(oai, "Hello there").choices[0].finish_reason in ("stop", "length")
+
+
 def test_sigterm_stops_both_ranks_cleanly(two_ranks):
     two_ranks.procs[0].send_signal(signal.SIGTERM)
     assert two_ranks.wait_exit(0, 60) == 0
@@ -216,30 +244,3 @@ def test_ranks_with_different_folders_refuse_to_start(model_dir, tmp_path):
     finally:
         ranks.kill()
 
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds process `pid` has used (user + system)."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except FileNotFoundError:  # no /proc (macOS): ps's [[dd-]hh:]mm:ss
-        out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True).stdout
-        seconds = 0.0
-        for part in out.strip().replace("-", ":").split(":"):
-            seconds = seconds * 60 + float(part)
-        return seconds
-
-
-def test_an_idle_server_keeps_no_core_busy(two_ranks):
-    """Rank 1 waits for rank 0's next message. Inside a collective, MLX's ring backend polls
-    for it, which kept a core busy on rank 1 for as long as the server was idle (a second of
-    CPU a second); it now waits for the data outside (distributed/links.py) and still answers."""
-    oai, _ = _clients(two_ranks.url)
-    _chat(oai, "Hello there")
-    time.sleep(1.0)
-    rank_1 = two_ranks.procs[1].pid
-    before, started = _cpu_seconds(rank_1), time.monotonic()
-    time.sleep(4.0)
-    used = (_cpu_seconds(rank_1) - before) / (time.monotonic() - started)
-    assert used < 0.25, f"rank 1 used {used:.2f} s of CPU a second while idle"
-    assert _chat(oai, "Hello there").choices[0].finish_reason in ("stop", "length")
