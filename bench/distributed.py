@@ -1,6 +1,6 @@
-"""1 rank against 2 ranks (`mlxmtp launch --backend ring -n 2`, MLX's launcher), MTP off, on, and on with suffix
-drafts beside the head (serve's default): decode tokens/s and what each cycle spends
-communicating.
+"""1 rank against 2 ranks (`mlxmtp launch --backend ring -n 2`: MLX's launcher), MTP off, on,
+and on with suffix drafts beside the head (serve's default): decode tokens/s and what each
+cycle spends communicating.
 
 Each setting decodes the same prompts (greedy, one request at a time; the first request
 of each setting warms up and is not counted). Communication per cycle has two parts:
@@ -122,8 +122,8 @@ def one_rank(args):
 
 
 def launch(cmd, timeout=None, env=None) -> subprocess.CompletedProcess:
-    """Run an `mlxmtp launch` command line (mlx.launch without its polling of a core, the
-    ranks' core here), capturing its output."""
+    """Run an `mlxmtp launch` command line, capturing its output (plain mlx.launch would keep
+    one of the two cores the ranks share busy: docs/across-machines.md)."""
     return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=timeout)
 
 

@@ -243,4 +243,3 @@ def test_ranks_with_different_folders_refuse_to_start(model_dir, tmp_path):
         assert "rank(s) [1] have a different model folder than rank 0" in out
     finally:
         ranks.kill()
-
