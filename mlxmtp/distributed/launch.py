@@ -65,5 +65,4 @@ def main(argv: Sequence[str]) -> int:
         mlx_launch._launch_with_io = _recording_exits(mlx_launch._launch_with_io, statuses)
     sys.argv = ["mlx.launch", *argv]
     mlx_launch.main()
-    failed = [s for s in statuses if s[1] or (s[0] not in (0, None))]
-    return 1 if failed else 0
+    return 1 if any(killed or code not in (0, None) for code, killed in statuses) else 0
