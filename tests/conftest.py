@@ -1,6 +1,8 @@
 """Shared pytest fixtures."""
 
 import contextlib
+import functools
+import importlib
 import os
 
 import pytest
@@ -11,6 +13,24 @@ from mlxmtp.testing import fixtures as fx
 # a test run neither reads nor leaves such state, so every test's engine starts as a first
 # run would (tests of that state name their own folders).
 os.environ["MLXMTP_POLICY_STATE_DIR"] = "none"
+
+
+def _share_ssl_contexts():
+    """Every httpx client (httpx.post and httpx.get; the OpenAI and Anthropic clients, on
+    httpx2) builds an SSL context and loads a CA bundle into it: ~50 ms on a small VM, though
+    the tests' requests all go to 127.0.0.1 over plain http, and thousands of them paid
+    minutes of the suite. Here the clients share one context per setting, as passing
+    `verify=<context>` to each would (a private name: where it is gone, each builds its own)."""
+    for name in ("httpx._transports.default", "httpx2._transports.default"):
+        try:
+            transports = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(transports, "create_ssl_context"):
+            transports.create_ssl_context = functools.lru_cache(maxsize=8)(transports.create_ssl_context)
+
+
+_share_ssl_contexts()
 
 
 @pytest.fixture(scope="session")

@@ -19,15 +19,15 @@ DEPTHS = [0, 1, 2, 3, 4, None]  # 0 = MTP off, None = adaptive
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_identity_every_depth(fixture_model, family):
-    """Every depth (MTP off, 1-4, adaptive) on two prompts: 100 tokens drafted by the random
+    """Every depth (MTP off, 1-4, adaptive) on two prompts: 60 tokens drafted by the random
     head itself (its drafts are rejected: each cycle verifies k + 1 tokens and rolls back all
-    k), and 200 tokens whose drafts are forced right with p = 0.7 (the head still runs), so
+    k), and 140 tokens whose drafts are forced right with p = 0.7 (the head still runs), so
     every acceptance length 0..k occurs and every rollback path runs."""
     model, tok, ref = loaded(str(fixture_model(family)["hf"]))
     own, forced = prompt_of(1, seed=1), prompt_of(37, seed=37)
-    want_own, want_forced = reference_greedy(ref, own, 100), reference_greedy(ref, forced, 200)
+    want_own, want_forced = reference_greedy(ref, own, 60), reference_greedy(ref, forced, 140)
     for k in DEPTHS:
-        got = generate(model, tok, own, max_tokens=100, config=EngineConfig(num_draft=k)).token_ids
+        got = generate(model, tok, own, max_tokens=60, config=EngineConfig(num_draft=k)).token_ids
         assert got == want_own, f"{family} own drafts k={k}"
         got, stats, _ = _run_forced(model, tok, forced, want_forced, k, 0.7, seed=k or 0)
         assert got == want_forced, f"{family} forced drafts k={k}"
