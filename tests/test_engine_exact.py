@@ -34,6 +34,10 @@ def test_greedy_identity_every_depth(fixture_model, family):
         if k:  # a fixed depth: the patterns really were ragged, and paid
             s = stats.as_dict()
             assert 0.3 < s["acceptance"] < 0.95 and s["tokens_per_forward"] > 1.2, (k, s)
+            # Every acceptance length 0..k occurred: a draft rejected at every position, and
+            # a cycle that kept all k.
+            reached, kept = stats.drafted_by_position, stats.accepted_by_position
+            assert all(reached[j] > kept[j] for j in range(k)) and kept[k - 1] > 0, (k, reached, kept)
 
 
 @pytest.mark.slow
