@@ -17,10 +17,11 @@ os.environ["MLXMTP_POLICY_STATE_DIR"] = "none"
 
 def _share_ssl_contexts():
     """Every httpx client (httpx.post and httpx.get; the OpenAI and Anthropic clients, on
-    httpx2) builds an SSL context and loads a CA bundle into it: ~50 ms on a small VM, though
-    the tests' requests all go to 127.0.0.1 over plain http, and thousands of them paid
-    minutes of the suite. Here the clients share one context per setting, as passing
-    `verify=<context>` to each would (a private name: where it is gone, each builds its own)."""
+    httpx2) builds an SSL context and loads a CA bundle into it, though the tests' requests
+    all go to 127.0.0.1 over plain http: thousands of them made it a large share of the
+    server tests' time (BENCHMARKS.md, "The test suite"). Here the clients share one context
+    per setting, as passing `verify=<context>` to each would (a private name: where it is
+    gone, each builds its own)."""
     for name in ("httpx._transports.default", "httpx2._transports.default"):
         try:
             transports = importlib.import_module(name)
