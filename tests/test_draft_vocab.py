@@ -157,7 +157,7 @@ def test_greedy_output_is_unchanged(fixture_model, corpus, tmp_path, k, quantize
     ids = make_list(hf, corpus, tmp_path / "l.json")["token_ids"]
     ref, _ = load(str(hf), mtp=False)
     prompt = prompt_of(23, seed=3)
-    want = reference_greedy(ref, prompt, 80)
+    want = reference_greedy(ref, prompt, 40)
     qpath, qids = quantized_with_list
     for path, kw, allowed in [(hf, dict(draft_vocab_file=tmp_path / "l.json"), ids), (qpath, {}, qids)]:
         model, tok = load(str(path), draft_vocab=SIZE, **kw)
@@ -167,8 +167,8 @@ def test_greedy_output_is_unchanged(fixture_model, corpus, tmp_path, k, quantize
             eng.policy.seed_costs(1, {d: 1.0 for d in range(eng.policy.max_depth + 1)})
         seen = set()
         eng.draft_hook = _drafts_recorder(seen)
-        got = generate(model, tok, prompt, max_tokens=80, engine=eng).token_ids
-        assert got == generate(full, tok, prompt, max_tokens=80, config=EngineConfig(num_draft=k)).token_ids
+        got = generate(model, tok, prompt, max_tokens=40, engine=eng).token_ids
+        assert got == generate(full, tok, prompt, max_tokens=40, config=EngineConfig(num_draft=k)).token_ids
         if path == hf:
             assert got == want
         assert seen and seen <= set(allowed)  # the head only drafted listed tokens
